@@ -1,0 +1,46 @@
+"""One public entry per kernel. `impl` picks the implementation by name from a registry:
+
+  "xla"     pure jnp, runs on every backend (the CPU default)
+  "pallas"  Pallas kernel (GPU; interpret mode on CPU)        -- the jagged-kernels issue
+  "triton"  jax-triton kernel (GPU only)                       -- the jagged-kernels issue
+  "auto"    pallas on GPU, xla elsewhere
+
+Model code calls these functions only; it never imports a kernel module directly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+from pallas_kernels.hstu_attention import reference as hstu_reference
+
+_HSTU_IMPLS: dict[str, Callable] = {"xla": hstu_reference.hstu_attention}
+
+
+def register_hstu_impl(name: str, fn: Callable) -> None:
+  _HSTU_IMPLS[name] = fn
+
+
+def _resolve(impl: str, registry: dict[str, Callable], kernel: str) -> Callable:
+  if impl == "auto":
+    impl = "pallas" if jax.default_backend() == "gpu" and "pallas" in registry else "xla"
+  if impl not in registry:
+    raise ValueError(f"{kernel}: unknown impl {impl!r}; available: {sorted(registry)} (or 'auto')")
+  return registry[impl]
+
+
+def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int, alpha: float,
+                   causal: bool = True, num_targets=None, max_attn_len: int = 0,
+                   contextual_seq_len: int = 0, rel_bias_HxR=None, impl: str = "auto"):
+  """HSTU pointwise (SiLU, no softmax) attention over jagged q/k/v; see
+  pallas_kernels/hstu_attention/reference.py for the exact mask and normalization.
+
+  rel_bias_HxR: optional learned bias per head and relative-position bucket (R buckets), added to the
+  logit alpha * q.k before the SiLU, as HSTU's relative attention bias does.
+  """
+  fn = _resolve(impl, _HSTU_IMPLS, "hstu_attention")
+  return fn(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, max_seq_len=max_seq_len, alpha=alpha,
+            causal=causal, num_targets=num_targets, max_attn_len=max_attn_len,
+            contextual_seq_len=contextual_seq_len, rel_bias_HxR=rel_bias_HxR)
