@@ -1,0 +1,186 @@
+"""Optimizers: row-wise Adagrad for embedding tables, clipped AdamW with warmup + cosine for the rest.
+
+Letters: V table rows, E embedding width.
+
+Embedding tables are told apart from dense parameters by their nnx variable type (`Table`, a subclass of
+`nnx.Param` in gem_jax/model/embeddings.py), never by a parameter's name. The labels are computed once
+from the typed parameter tree (`nnx.state(model, nnx.Param)`, whose leaves are `nnx.Variable`s) and
+then looked up by key path, so the optimizer built by `make_optimizer` works on that typed tree and on
+its pure-dict form (`nnx.to_pure_dict(state)`) alike.
+
+Row-wise Adagrad (TorchRec / FBGEMM `EXACT_ROWWISE_ADAGRAD`) keeps one accumulator per table row, so its
+state is (V,) per table and shards like the table's rows; dense Adam would cost 2 V E floats per table.
+
+This module must never let a table reach AdamW: AdamW's moments make every row "touched" (a row with
+no gradient this step still moves), weight decay would shrink rows that are rarely seen, and global-norm
+clipping would let one hot table scale every dense gradient. A parameter that the labels do not know
+raises instead of falling into a default group.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from gem_jax.train.config import TrainConfig
+
+TABLE = "table"
+DENSE = "dense"
+
+
+# ---- row-wise Adagrad -----------------------------------------------------------------------------
+class RowwiseAdagradState(NamedTuple):
+  accumulator: Any  # per table: (V,) float32, the running sum of mean-over-E squared gradients
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _row_state_like(table, acc_V):
+  """Wraps the (V,) accumulator like `table`: an nnx Variable keeps its type and its row sharding, so
+  `nnx.get_partition_spec(opt_state)` shards the accumulator over the table's row axis."""
+  if not _is_variable(table):
+    return acc_V
+  metadata = {}
+  names = table.get_metadata().get("out_sharding")
+  if isinstance(names, (tuple, list)) and len(names) == 2:
+    metadata["out_sharding"] = (names[0],)
+  return table.replace(value=acc_V, **metadata)
+
+
+def rowwise_adagrad(learning_rate: float, initial_accumulator: float = 0.0,
+                    eps: float = 1e-8) -> optax.GradientTransformation:
+  """Row-wise Adagrad for V x E tables: a_V += mean_E(g^2); update = -lr * g / (sqrt(a) + eps).
+
+  A row whose gradient is exactly zero keeps its accumulator and gets an update of exactly zero (the
+  sparse semantics of a lookup-based optimizer), even with eps = 0 and a zero accumulator. The
+  accumulator is float32 whatever the table dtype; updates come back in the gradient's dtype.
+  """
+
+  def check(path, g):
+    if g.ndim != 2:
+      raise ValueError(f"rowwise_adagrad: parameter {jax.tree_util.keystr(path)} has shape {g.shape}; "
+                       "only V x E embedding tables are supported")
+
+  def init_fn(params):
+    def init_one(path, p):
+      value = p.get_value() if _is_variable(p) else p
+      check(path, value)
+      return _row_state_like(p, jnp.full(value.shape[:1], initial_accumulator, jnp.float32))
+    return RowwiseAdagradState(jax.tree_util.tree_map_with_path(init_one, params, is_leaf=_is_variable))
+
+  def update_one(g_VxE, acc_V):
+    g32_VxE = g_VxE.astype(jnp.float32)
+    touched_V = jnp.any(g32_VxE != 0, axis=1)
+    acc_V = acc_V + jnp.mean(jnp.square(g32_VxE), axis=1)
+    step_V = learning_rate / (jnp.sqrt(acc_V) + eps)
+    step_V = jnp.where(touched_V, step_V, 0.0)  # untouched rows: exactly 0, never 0 * inf
+    return (-step_V[:, None] * g32_VxE).astype(g_VxE.dtype), acc_V
+
+  def update_fn(updates, state, params=None):
+    del params
+
+    def one(g, acc):
+      if _is_variable(g):  # the two Variables differ in metadata (row vs table sharding): unwrap both
+        u, a = update_one(g.get_value(), acc.get_value())
+        return g.replace(value=u), acc.replace(value=a)
+      return update_one(g, acc)
+
+    treedef = jax.tree.structure(updates, is_leaf=_is_variable)
+    pairs = treedef.flatten_up_to(jax.tree.map(one, updates, state.accumulator, is_leaf=_is_variable))
+    new_updates = treedef.unflatten([u for u, _ in pairs])
+    new_acc = treedef.unflatten([a for _, a in pairs])
+    return new_updates, RowwiseAdagradState(new_acc)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ---- labels ---------------------------------------------------------------------------------------
+def _path_key(path) -> tuple[str, ...]:
+  """A key path as plain strings: the same for an nnx.State and its pure dict (and after a checkpoint
+  restore that turned int keys into strings)."""
+  out = []
+  for k in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(k, attr):
+        out.append(str(getattr(k, attr)))
+        break
+    else:
+      out.append(str(k))
+  return tuple(out)
+
+
+def _default_table_type() -> type:
+  from gem_jax.model.embeddings import Table  # the model owns the type; imported late to keep arrows one way
+  return Table
+
+
+def param_labels(params, table_type: type | None = None):
+  """A tree like `params` with TABLE or DENSE in place of every parameter (an nnx.Variable leaf).
+
+  `table_type`: the nnx.Variable subclass of embedding tables; defaults to gem_jax.model.embeddings.Table.
+  Raises when `params` holds a raw array, whose type cannot tell a table from a dense weight.
+  """
+  table_type = table_type or _default_table_type()
+
+  def label(path, p):
+    if not _is_variable(p):
+      raise TypeError(f"param_labels: {jax.tree_util.keystr(path)} is a {type(p).__name__}, not an "
+                      "nnx.Variable; pass the typed tree (nnx.state(model, nnx.Param)), not a pure dict")
+    return TABLE if isinstance(p, table_type) else DENSE
+
+  return jax.tree_util.tree_map_with_path(label, params, is_leaf=_is_variable)
+
+
+def _labels_by_path(params, table_type: type | None) -> dict[tuple[str, ...], tuple[str, int]]:
+  labels = param_labels(params, table_type)
+  flat_labels = jax.tree_util.tree_leaves_with_path(labels)
+  flat_params = jax.tree_util.tree_leaves(params, is_leaf=_is_variable)
+  return {_path_key(path): (label, p.get_value().ndim) for (path, label), p in zip(flat_labels, flat_params)}
+
+
+def _lookup(known: dict, pick: Callable[[str, int], Any]) -> Callable[[Any], Any]:
+  """A labels function for optax that works on the typed tree and on its pure dict."""
+
+  def fn(tree):
+    def one(path, leaf):
+      if isinstance(leaf, optax.MaskedNode):
+        return leaf
+      key = _path_key(path)
+      if key not in known:
+        raise KeyError(f"optimizer: parameter {'/'.join(key)} was not in the tree the optimizer was built "
+                       f"for (known: {sorted('/'.join(k) for k in known)[:8]}...)")
+      return pick(*known[key])
+    return jax.tree_util.tree_map_with_path(
+        one, tree, is_leaf=lambda x: _is_variable(x) or isinstance(x, optax.MaskedNode))
+
+  return fn
+
+
+# ---- the optimizer --------------------------------------------------------------------------------
+def dense_schedule(cfg: TrainConfig) -> optax.Schedule:
+  """0 -> learning_rate linearly over warmup_steps, then cosine to learning_rate * end_lr_fraction."""
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+      decay_steps=cfg.steps, end_value=cfg.learning_rate * cfg.end_lr_fraction)
+
+
+def make_optimizer(cfg: TrainConfig, params, table_type: type | None = None) -> optax.GradientTransformation:
+  """Tables -> row-wise Adagrad; everything else -> global-norm clip + AdamW (decay on >= 2-D kernels).
+
+  `params`: the typed parameter tree (nnx.State of nnx.Variables) the optimizer is built for. The result
+  accepts that tree or its pure dict; a parameter it was not built for raises a KeyError.
+  """
+  known = _labels_by_path(params, table_type)
+  dense = optax.chain(
+      optax.clip_by_global_norm(cfg.grad_clip_norm),
+      optax.adamw(dense_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                  mask=_lookup(known, lambda label, ndim: label == DENSE and ndim >= 2)),
+  )
+  tables = rowwise_adagrad(cfg.embedding_learning_rate, cfg.adagrad_initial_accumulator, cfg.adagrad_eps)
+  return optax.multi_transform({TABLE: tables, DENSE: dense}, _lookup(known, lambda label, ndim: label))
