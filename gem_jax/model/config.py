@@ -1,13 +1,27 @@
-"""Model configuration (frozen dataclasses). The named configs live in gem_jax/configs.py.
+"""Model configuration (frozen dataclasses) and the two layer builders that apply it (dtypes, sharding names).
+
+The named configs live in gem_jax/configs.py. This module must never name a mesh axis: layers carry the
+logical axis names of gem_jax/parallel/rules.py and the rules table maps them to the mesh.
 
 Letters used across gem_jax/model: B batch, T jagged token capacity, D sequence model width,
 E embedding width, H heads, Dh head dim (q/k), Dv value dim per head, F number of feature embeddings
 entering a Wukong layer, S number of sequence-summary vectors, C contextual tokens, K tasks, R domains.
+
+Sharding metadata: every parameter is an nnx.Param (or a subclass) whose `out_sharding` metadata is a
+tuple of logical names, one per dim (None: never sharded), created with eager_sharding=False so that a
+model can be built without a mesh; `rules.logical_to_spec(var.get_metadata()["out_sharding"])` gives the
+PartitionSpec.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
+
+import jax.numpy as jnp
+from flax import nnx
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,3 +60,67 @@ class ModelConfig:
   def __post_init__(self):
     if len(self.hstu.keep_last) != self.num_layers:
       raise ValueError(f"hstu.keep_last has {len(self.hstu.keep_last)} entries for {self.num_layers} layers")
+    if any(k < 1 for k in self.hstu.keep_last):
+      raise ValueError(f"hstu.keep_last entries must be >= 1, got {self.hstu.keep_last}")
+    for name in ("compute_dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+    if self.hstu.num_contextual < 0 or self.num_recent < 0:
+      raise ValueError("hstu.num_contextual and num_recent must be >= 0, got "
+                       f"{self.hstu.num_contextual}, {self.num_recent}")
+    if min(self.embed_dim, self.model_dim, self.hstu.num_heads, self.hstu.head_dim, self.hstu.value_dim,
+           self.wukong.fm_outputs + self.wukong.lcb_outputs, self.wukong.fm_rank, self.wukong.mlp_hidden,
+           self.tower_hidden, self.hstu.rel_pos_buckets) < 1:
+      raise ValueError(f"model widths must be positive: {self}")
+
+  @property
+  def dtype(self):
+    """The compute dtype as a jnp dtype."""
+    return _DTYPES[self.compute_dtype]
+
+  @property
+  def params_dtype(self):
+    """The parameter dtype as a jnp dtype."""
+    return _DTYPES[self.param_dtype]
+
+  def max_seq_len(self, layer: int) -> int:
+    """Static length bound of layer `layer`'s HSTU rows: C contextual + kept history + 1 target."""
+    return self.hstu.num_contextual + self.hstu.keep_last[layer] + 1
+
+
+# ---- layer builders ------------------------------------------------------------------------------
+def sharded(init, names: Sequence[str | None]):
+  """`init` whose variable carries the logical axis `names` (no mesh needed to build the model)."""
+  return nnx.with_partitioning(init, tuple(names), eager_sharding=False)
+
+
+class Dense(nnx.Linear):
+  """nnx.Linear in the config's dtypes: f32 accumulation, output cast back to the compute dtype.
+
+  `names`: logical axes of the (in, out) kernel, e.g. ("embed", "mlp"); the bias takes the out name.
+  """
+
+  def __init__(self, in_features: int, out_features: int, names: tuple[str | None, str | None],
+               cfg: ModelConfig, *, rngs: nnx.Rngs, use_bias: bool = True, kernel_init=None):
+    kernel_init = kernel_init or nnx.initializers.lecun_normal()
+    super().__init__(in_features, out_features, use_bias=use_bias, dtype=cfg.dtype,
+                     param_dtype=cfg.params_dtype, preferred_element_type=jnp.float32,
+                     kernel_init=sharded(kernel_init, names),
+                     bias_init=sharded(nnx.initializers.zeros_init(), names[1:]), rngs=rngs)
+
+  def __call__(self, x):
+    return super().__call__(x).astype(self.dtype)
+
+
+class LayerNorm(nnx.LayerNorm):
+  """LayerNorm over the last dim, computed in f32 (norms are precision sensitive), output in the compute
+  dtype. Its scale and bias are small and replicated."""
+
+  def __init__(self, num_features: int, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    super().__init__(num_features, epsilon=1e-5, dtype=jnp.float32, param_dtype=cfg.params_dtype,
+                     scale_init=sharded(nnx.initializers.ones_init(), (None,)),
+                     bias_init=sharded(nnx.initializers.zeros_init(), (None,)), rngs=rngs)
+    self.out_dtype = cfg.dtype
+
+  def __call__(self, x):
+    return super().__call__(x.astype(jnp.float32)).astype(self.out_dtype)

@@ -1,0 +1,85 @@
+"""Multi-domain multi-task heads and the multi-task loss.
+
+  features_BxI -> LayerNorm -> shared trunk (Linear + SiLU) -> the example's domain tower (Linear + SiLU
+  -> Linear) -> K task logits
+
+The R domain towers are stacked (R x ...) and all evaluated, then each example keeps its own domain's
+output: R is small, and this keeps one dense matmul instead of a per-example weight gather. Towers of
+domains absent from a batch get exactly zero gradient. A domain id outside [0, R) gives NaN logits
+(never a silently chosen tower).
+
+The loss is f32 BCE with masks: a task is counted on an example only where label_mask and example_mask
+are 1 and, for a task with a parent (conversion), only where the parent label is 1 (clicked).
+
+Letters: B batch, I head input width, G tower width, R domains, K tasks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from gem_jax.data.batch import Batch
+from gem_jax.data.spec import FeatureSpec
+from gem_jax.model.config import Dense, LayerNorm, ModelConfig, sharded
+
+
+class MultiDomainHeads(nnx.Module):
+  """(features_BxI, domain_B) -> logits_BxK (float32)."""
+
+  def __init__(self, in_features: int, spec: FeatureSpec, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    g, r, k = cfg.tower_hidden, len(spec.domains), len(spec.tasks)
+    self.norm = LayerNorm(in_features, cfg, rngs=rngs)
+    self.trunk = Dense(in_features, g, ("embed", "mlp"), cfg, rngs=rngs)
+    tower_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    zeros, pdt = nnx.initializers.zeros_init(), cfg.params_dtype
+    self.w1_RxGxG = nnx.Param(sharded(tower_init, ("features", "mlp", None))(rngs.params(), (r, g, g), pdt))
+    self.b1_RxG = nnx.Param(sharded(zeros, ("features", None))(rngs.params(), (r, g), pdt))
+    self.w2_RxGxK = nnx.Param(sharded(tower_init, ("features", None, None))(rngs.params(), (r, g, k), pdt))
+    self.b2_RxK = nnx.Param(sharded(zeros, ("features", None))(rngs.params(), (r, k), pdt))
+
+  def __call__(self, features_BxI, domain_B):
+    shared_BxG = jax.nn.silu(self.trunk(self.norm(features_BxI))).astype(jnp.float32)
+    # The towers run in f32: they are R small matmuls next to the logits, and XLA:CPU has no
+    # bf16 x bf16 -> f32 batched dot.
+    f32 = lambda p: p[...].astype(jnp.float32)
+    hidden_BxRxG = jax.nn.silu(jnp.einsum("bg,rgh->brh", shared_BxG, f32(self.w1_RxGxG)) + f32(self.b1_RxG)[None])
+    logits_BxRxK = jnp.einsum("brg,rgk->brk", hidden_BxRxG, f32(self.w2_RxGxK)) + f32(self.b2_RxK)[None]
+    domain_Bx1x1 = jnp.asarray(domain_B, jnp.int32)[:, None, None]
+    return jnp.take_along_axis(logits_BxRxK, domain_Bx1x1, axis=1, mode="fill", fill_value=jnp.nan)[:, 0]
+
+
+def task_masks(batch: Batch, spec: FeatureSpec):
+  """B x K float32: 1 where task k's label counts for example b."""
+  mask_BxK = batch.label_mask_BxK.astype(jnp.float32) * batch.example_mask_B.astype(jnp.float32)[:, None]
+  names = spec.task_names
+  parent_cols = []
+  for t in spec.tasks:
+    if t.parent is None:
+      parent_cols.append(jnp.ones_like(mask_BxK[:, 0]))
+    else:
+      parent_cols.append((batch.labels_BxK[:, names.index(t.parent)] > 0.5).astype(jnp.float32))
+  return mask_BxK * jnp.stack(parent_cols, axis=1)
+
+
+def multitask_loss(logits_BxK, batch: Batch, spec: FeatureSpec):
+  """Task-weighted mean of the per-task masked mean BCE (float32).
+
+  Returns (loss, {"loss/<task>": per-task mean BCE}); a task with no counted example contributes 0.
+  """
+  k = len(spec.tasks)
+  if logits_BxK.shape[-1] != k:
+    raise ValueError(f"multitask_loss: logits have {logits_BxK.shape[-1]} tasks, the spec has {k}")
+  logits_BxK = logits_BxK.astype(jnp.float32)
+  labels_BxK = batch.labels_BxK.astype(jnp.float32)
+  mask_BxK = task_masks(batch, spec)
+  # Uncounted logits are replaced before the BCE, not multiplied by 0 after it: rows that only pad the
+  # batch may hold anything, and a NaN there would turn into NaN gradients through a product.
+  safe_BxK = jnp.where(mask_BxK > 0, logits_BxK, 0.0)
+  bce_BxK = optax.sigmoid_binary_cross_entropy(safe_BxK, labels_BxK)
+  per_task_K = jnp.sum(bce_BxK * mask_BxK, axis=0) / jnp.maximum(jnp.sum(mask_BxK, axis=0), 1.0)
+  weights_K = jnp.asarray([t.weight for t in spec.tasks], jnp.float32)
+  loss = jnp.sum(weights_K * per_task_K) / jnp.sum(weights_K)
+  return loss, {f"loss/{t.name}": per_task_K[i] for i, t in enumerate(spec.tasks)}
