@@ -153,7 +153,8 @@ def test_multitask_loss_masks():
   conversion = np.mean([bce(-1.0, 1), bce(1.5, 0)])  # only clicked, real rows 0 and 2
   np.testing.assert_allclose(float(per_task["loss/click"]), click, rtol=1e-5)
   np.testing.assert_allclose(float(per_task["loss/conversion"]), conversion, rtol=1e-5)
-  np.testing.assert_allclose(float(loss), (click + conversion) / 2, rtol=1e-5)
+  # Every task is normalized by the 3 real examples: conversion's 2 labels weigh 2/3 of its mean.
+  np.testing.assert_allclose(float(loss), (click + conversion * 2 / 3) / 2, rtol=1e-5)
   grad = jax.jit(jax.grad(lambda z: multitask_loss(z, batch, SPEC)[0]))(jnp.asarray(logits))
   assert _finite(grad) and np.all(np.asarray(grad)[3] == 0) and float(grad[1, 1]) == 0
 

@@ -11,41 +11,13 @@ from gem_jax.data.pipeline import (PipelineConfig, bucket_counts, eval_batches, 
                                    padding_stats, pick_bucket, train_dataset)
 from gem_jax.data.spec import ads_feature_spec
 from gem_jax.data.validate import BatchValidationError, validate_batch
+from tests.data_helpers import make_examples
 
 SPEC = ads_feature_spec(users=50, ads=40, advertisers=10, categories=12, embed_dim=4, max_history=6,
                         max_interests=3)
 # B * max_len = 24 tokens; buckets 8, 16, 24.
 CFG = PipelineConfig(batch_size=4, history_bucket_fractions=(0.25, 0.5, 1.0), bucket_multiple=8,
                      read_threads=2, prefetch_buffer_size=3)
-
-
-def make_examples(spec, rng, n, hist_lengths=None):
-  """n valid random examples of `spec` (histories of hist_lengths tokens if given)."""
-  vocab = lambda table: spec.table(table).vocab_size
-  if hist_lengths is None:
-    hist_lengths = rng.integers(0, spec.sequence.max_len + 1, n)
-  hist_lengths = np.asarray(hist_lengths, np.int64)
-  tokens = int(hist_lengths.sum())
-  hist = np.stack([rng.integers(0, vocab(f.table), tokens) for f in spec.sequence.fields], axis=1)
-  multi = {}
-  for f in spec.multi_hot:
-    lengths = rng.integers(0, f.max_ids + 1, n)
-    multi[f.name] = (rng.integers(0, vocab(f.table), int(lengths.sum())), lengths)
-  K = len(spec.tasks)
-  labels, mask = np.zeros((n, K), np.float32), np.zeros((n, K), np.float32)
-  for k, t in enumerate(spec.tasks):
-    p = spec.task_names.index(t.parent) if t.parent else None
-    mask[:, k] = 1.0 if p is None else labels[:, p] * mask[:, p]
-    labels[:, k] = rng.integers(0, 2, n) * mask[:, k]
-  return Examples(
-      sparse={f.name: rng.integers(0, vocab(f.table), n) for f in spec.single_hot},
-      multi_hot=multi,
-      dense_nxG=rng.normal(size=(n, spec.dense_dim)).astype(np.float32),
-      history=(hist, hist_lengths),
-      domain_n=rng.integers(0, len(spec.domains), n),
-      labels_nxK=labels,
-      label_mask_nxK=mask,
-      planted_logits_nxK=rng.normal(size=(n, K)).astype(np.float32))
 
 
 class ToySource:

@@ -31,7 +31,8 @@ from gem_jax import jagged
 from gem_jax.data.batch import Batch
 from gem_jax.data.spec import FeatureSpec
 from gem_jax.jagged import Jagged
-from gem_jax.model.config import Dense, ModelConfig
+from gem_jax.model.config import ModelConfig
+from gem_jax.model.layers import Dense
 from gem_jax.model.embeddings import EmbeddingCollection
 from gem_jax.model.heads import MultiDomainHeads
 from gem_jax.model.hstu import HSTULayer

@@ -20,7 +20,8 @@ from flax import nnx
 
 from gem_jax import ops
 from gem_jax.jagged import Jagged
-from gem_jax.model.config import Dense, LayerNorm, ModelConfig, sharded
+from gem_jax.model.config import ModelConfig
+from gem_jax.model.layers import Dense, LayerNorm, sharded
 
 
 class HSTULayer(nnx.Module):

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gem_jax.jagged import Jagged
-from gem_jax.model.config import Dense, LayerNorm, ModelConfig, sharded
+from gem_jax.model.config import ModelConfig
+from gem_jax.model.layers import Dense, LayerNorm, sharded
 
 
 def num_summary(cfg: ModelConfig) -> int:

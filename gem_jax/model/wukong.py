@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax.model.config import Dense, LayerNorm, ModelConfig, sharded
+from gem_jax.model.config import ModelConfig
+from gem_jax.model.layers import Dense, LayerNorm, sharded
 
 
 def fm_interaction(x_BxFxE, y_FxK):

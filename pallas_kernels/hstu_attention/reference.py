@@ -128,8 +128,10 @@ def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int,
   if rel_bias_HxR is not None:
     if rel_bias_HxR.shape[0] != num_heads:
       raise ValueError(f"hstu_attention: rel_bias has {rel_bias_HxR.shape[0]} heads, q has {num_heads}")
-    bucket_BxNxN = relative_position_bucket(dist_BxNxN, rel_bias_HxR.shape[1])
-    bias_HxBxNxN = rel_bias_HxR.astype(jnp.float32)[:, bucket_BxNxN]
+    # |p(i) - p(j)| < N, so the bias per distance is a small H x N table gathered once per pair (no
+    # per-pair bucketing arithmetic).
+    bias_HxN = rel_bias_HxR.astype(jnp.float32)[:, relative_position_bucket(jnp.arange(n), rel_bias_HxR.shape[1])]
+    bias_HxBxNxN = bias_HxN[:, jnp.abs(dist_BxNxN)]
     logits_BxHxNxN = logits_BxHxNxN + jnp.transpose(bias_HxBxNxN, (1, 0, 2, 3))
   # `where`, not a multiply, so that masked-out logits can never turn into NaN.
   weights_BxHxNxN = jnp.where(mask_BxNxN[:, None], jax.nn.silu(logits_BxHxNxN), 0.0) / n

@@ -1,0 +1,143 @@
+"""Named configs, from `tiny` (tests) through `small` (the CPU default) to `base` / `large` / `xl` (GPUs).
+
+Each function's docstring gives the command, the hardware it is sized for, the parameter counts (sparse
+embedding rows x width apart from dense) and the model FLOPs per example of the forward pass at the
+stream's mean history length (gem_jax/observe/flops.py; a train step costs ~3x). tests/test_configs.py
+recomputes every one of these numbers, so they cannot drift from the code.
+
+Model FLOPs count matmuls over real (unpadded) tokens; attention counts every (query, key) pair of a
+sequence once (dense convention), so a causal kernel that skips masked pairs does about half of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from gem_jax.config import Config, DataConfig
+from gem_jax.data.pipeline import PipelineConfig
+from gem_jax.data.spec import ads_feature_spec
+from gem_jax.data.synthetic import SyntheticConfig
+from gem_jax.model.config import HSTUConfig, ModelConfig, WukongConfig
+from gem_jax.train.config import TrainConfig
+
+CONFIGS: dict[str, Callable[[], Config]] = {}
+
+
+def register(fn: Callable[[], Config]) -> Callable[[], Config]:
+  CONFIGS[fn.__name__] = fn
+  return fn
+
+
+def get(name: str) -> Config:
+  if name not in CONFIGS:
+    raise KeyError(f"unknown config {name!r}; known: {sorted(CONFIGS)}")
+  return CONFIGS[name]()
+
+
+@register
+def tiny() -> Config:
+  """Unit tests and smoke runs: `python experiments/train.py --config tiny --out runs/tiny` (CPU).
+
+  params: 55.1K sparse, 59.9K dense; forward FLOPs/example at 16 history tokens: 6.78e+05
+  """
+  spec = ads_feature_spec(users=1_000, ads=2_000, advertisers=100, categories=20, embed_dim=16,
+                          max_history=32, max_interests=4, num_domains=2)
+  model = ModelConfig(embed_dim=16, model_dim=32, num_layers=2,
+                      hstu=HSTUConfig(num_heads=2, head_dim=16, value_dim=16, keep_last=(32, 16),
+                                      num_contextual=2, rel_pos_buckets=16),
+                      wukong=WukongConfig(fm_outputs=4, lcb_outputs=4, fm_rank=4, mlp_hidden=64),
+                      num_recent=2, tower_hidden=32)
+  data = DataConfig(spec, SyntheticConfig(seed=0, history_mu=2.5, history_sigma=0.8, calibration_examples=8192),
+                    # One history bucket: tests compile each step function once.
+                    PipelineConfig(batch_size=32, history_bucket_fractions=(1.0,), read_threads=1,
+                                   prefetch_buffer_size=2))
+  train = TrainConfig(steps=20, warmup_steps=2, eval_every=10, eval_examples=256, checkpoint_every=10,
+                      log_every=5)
+  return Config("tiny", model, data, train)
+
+
+@register
+def small() -> Config:
+  """The CPU default: `python experiments/train.py` (2 CPU cores, under 5 minutes; see README for the
+  NE it reaches against the planted model).
+
+  params: 4.98M sparse, 516K dense; forward FLOPs/example at 32 history tokens: 5.12e+06
+  """
+  spec = ads_feature_spec(users=100_000, ads=50_000, advertisers=5_000, categories=200, embed_dim=32,
+                          max_history=64, max_interests=8, num_domains=3)
+  model = ModelConfig(embed_dim=32, model_dim=64, num_layers=2,
+                      hstu=HSTUConfig(num_heads=2, head_dim=32, value_dim=32, keep_last=(64, 32),
+                                      num_contextual=2, rel_pos_buckets=32),
+                      wukong=WukongConfig(fm_outputs=8, lcb_outputs=8, fm_rank=8, mlp_hidden=256),
+                      num_recent=2, tower_hidden=128)
+  # A batch of 256 holds ~8k history tokens (49% of 256 x 64): one bucket at 56% covers it (3.6 sigma),
+  # so the run compiles its step once.
+  data = DataConfig(spec, SyntheticConfig(seed=0),
+                    PipelineConfig(batch_size=256, history_bucket_fractions=(0.5625, 1.0), read_threads=1,
+                                   prefetch_buffer_size=4))
+  train = TrainConfig(steps=900, learning_rate=2e-3, warmup_steps=50, eval_every=10_000, eval_examples=65536,
+                      checkpoint_every=300, log_every=20)
+  return Config("small", model, data, train)
+
+
+def _gpu_config(name: str, *, users, ads, advertisers, categories, embed_dim, max_history, model_dim,
+                layers, heads, head_dim, keep_last, fm_outputs, lcb_outputs, fm_rank, mlp_hidden,
+                tower_hidden, batch_size, steps) -> Config:
+  spec = ads_feature_spec(users=users, ads=ads, advertisers=advertisers, categories=categories,
+                          embed_dim=embed_dim, max_history=max_history, max_interests=32, num_domains=5)
+  model = ModelConfig(embed_dim=embed_dim, model_dim=model_dim, num_layers=layers,
+                      hstu=HSTUConfig(num_heads=heads, head_dim=head_dim, value_dim=head_dim,
+                                      keep_last=keep_last, num_contextual=4, rel_pos_buckets=64),
+                      wukong=WukongConfig(fm_outputs=fm_outputs, lcb_outputs=lcb_outputs, fm_rank=fm_rank,
+                                          mlp_hidden=mlp_hidden),
+                      num_recent=4, tower_hidden=tower_hidden, compute_dtype="bfloat16")
+  data = DataConfig(spec, SyntheticConfig(seed=0, history_mu=5.0, history_sigma=1.0),
+                    PipelineConfig(batch_size=batch_size))
+  train = TrainConfig(steps=steps, warmup_steps=min(1000, steps // 10), eval_every=1000, eval_examples=262144,
+                      checkpoint_every=1000, log_every=50)
+  return Config(name, model, data, train)
+
+
+@register
+def base() -> Config:
+  """One GPU node (8 x H200): `python experiments/train.py --config base` (mesh files: the mesh issue).
+
+  params: 1.95B sparse, 30.3M dense; forward FLOPs/example at 256 history tokens: 9.65e+08
+  """
+  return _gpu_config("base", users=10_000_000, ads=5_000_000, advertisers=200_000, categories=2_000,
+                     embed_dim=128, max_history=1024, model_dim=256, layers=4, heads=4, head_dim=64,
+                     keep_last=(1024, 512, 256, 128), fm_outputs=16, lcb_outputs=16, fm_rank=16,
+                     mlp_hidden=1024, tower_hidden=512, batch_size=2048, steps=100_000)
+
+
+@register
+def large() -> Config:
+  """128 nodes x 8 H200 (meshes/h200_1024_5d.yaml).
+
+  params: 154B sparse, 615M dense; forward FLOPs/example at 256 history tokens: 8.16e+09
+  """
+  return _gpu_config("large", users=500_000_000, ads=100_000_000, advertisers=2_000_000, categories=20_000,
+                     embed_dim=256, max_history=2048, model_dim=512, layers=8, heads=8, head_dim=64,
+                     keep_last=(2048, 2048, 1024, 1024, 512, 512, 256, 256), fm_outputs=32,
+                     lcb_outputs=32, fm_rank=32, mlp_hidden=4096, tower_hidden=1024, batch_size=65536,
+                     steps=500_000)
+
+
+@register
+def xl() -> Config:
+  """Thousands of H200s: the GEM-scale target.
+
+  params: 771B sparse, 4.06B dense; forward FLOPs/example at 256 history tokens: 4.51e+10
+  """
+  return _gpu_config("xl", users=2_000_000_000, ads=1_000_000_000, advertisers=10_000_000, categories=50_000,
+                     embed_dim=256, max_history=4096, model_dim=1024, layers=12, heads=16, head_dim=64,
+                     keep_last=(4096, 4096, 4096, 2048, 2048, 2048, 1024, 1024, 1024, 512, 512, 512),
+                     fm_outputs=64, lcb_outputs=64, fm_rank=64, mlp_hidden=8192, tower_hidden=2048,
+                     batch_size=131072, steps=1_000_000)
+
+
+def with_steps(cfg: Config, steps: int) -> Config:
+  """A shorter run of the same config (tests)."""
+  train = dataclasses.replace(cfg.train, steps=steps, warmup_steps=min(cfg.train.warmup_steps, steps - 1))
+  return dataclasses.replace(cfg, train=train)

@@ -1,0 +1,214 @@
+"""The trainer: one function read top to bottom in sections (data, model, restore, loop, eval, summary).
+
+It never blocks the host on the step it just dispatched: step N's metrics are fetched after step N + 1
+has been dispatched. It writes into `out_dir`:
+  metrics.jsonl   one JSON record per logged train step and per evaluation
+  checkpoints/    orbax checkpoints (train state + data iterator state), every train.checkpoint_every
+  summary.json    steps, examples/s, and per task eval NE / AUC / calibration next to baseline_ne
+                  (predicting the training base rate) and optimal_ne (the planted model, synthetic data)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gem_jax.config import Config
+from gem_jax.data import pipeline
+from gem_jax.data.synthetic import SyntheticAdsStream
+from gem_jax.model.gem import GEM
+from gem_jax.observe import flops
+from gem_jax.train import metrics as metrics_lib
+from gem_jax.train.checkpoint import Checkpointer
+from gem_jax.train.optim import make_optimizer
+from gem_jax.train.step import TrainState, init_state, make_eval_step, make_train_step
+
+EVAL_START_INDEX = 1 << 30  # eval blocks come from an index range training never reaches
+
+
+def _jsonable(tree) -> Any:
+  return jax.tree_util.tree_map(lambda x: float(x) if np.ndim(x) == 0 else np.asarray(x).tolist(), tree)
+
+
+class _JsonlWriter:
+  def __init__(self, path: str, append: bool):
+    self._f = open(path, "a" if append else "w")
+
+  def write(self, record: dict) -> None:
+    self._f.write(json.dumps(record) + "\n")
+    self._f.flush()
+
+  def close(self) -> None:
+    self._f.close()
+
+
+def evaluate(eval_step, params, batches, spec) -> tuple[dict, dict]:
+  """Eval metrics per task for the model and for the planted model (when the data has one)."""
+  model_acc, planted_acc = metrics_lib.TaskMetrics(), metrics_lib.TaskMetrics()
+  has_planted = True
+  for batch in batches:
+    probs = np.asarray(eval_step(params, batch))
+    mask = np.asarray(batch.label_mask_BxK) * np.asarray(batch.example_mask_B)[:, None]
+    model_acc.add(np.asarray(batch.labels_BxK), probs, mask)
+    planted = np.asarray(batch.planted_logits_BxK)
+    if has_planted and np.all(np.isfinite(planted[mask > 0])):
+      planted_acc.add(np.asarray(batch.labels_BxK), 1.0 / (1.0 + np.exp(-planted)), mask)
+    else:
+      has_planted = False
+  names = spec.task_names
+  return model_acc.result(names), (planted_acc.result(names) if has_planted else {})
+
+
+def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = True,
+          stop_after: int | None = None) -> dict:
+  """Trains `cfg` and returns the summary (also written to out_dir/summary.json).
+
+  stop_after: end this process after that step (with a checkpoint there), as if interrupted; a later
+  call with resume=True continues the same run (same schedule, same data) to cfg.train.steps.
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  tc, spec = cfg.train, cfg.data.spec
+  t_start = time.perf_counter()
+
+  # ---- data --------------------------------------------------------------------------------------
+  stream = SyntheticAdsStream(spec, cfg.data.synthetic)
+  train_iter = pipeline.make_iterator(stream, spec, cfg.data.pipeline)
+  eval_batches = pipeline.eval_batches(stream, spec, cfg.data.pipeline, num_examples=tc.eval_examples,
+                                       start_index=EVAL_START_INDEX)
+
+  # ---- model and optimizer -----------------------------------------------------------------------
+  model = GEM(spec, cfg.model, rngs=nnx.Rngs(tc.seed))
+  params_for_opt = nnx.state(model, nnx.Param)
+  optimizer = make_optimizer(tc, params_for_opt)
+  graphdef, rest, state = init_state(model, optimizer)
+  del model, params_for_opt
+  train_step = make_train_step(graphdef, rest, optimizer, spec)
+  eval_step = make_eval_step(graphdef, rest)
+
+  # ---- restore -----------------------------------------------------------------------------------
+  ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), keep=tc.keep_checkpoints,
+                      save_every=tc.checkpoint_every)
+  start_step, positives, seen = 0, np.zeros(len(spec.tasks)), np.zeros(len(spec.tasks))
+  if resume and ckpt.latest_step() is not None:
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    start_step, state, extra = ckpt.restore(abstract_state=abstract)
+    train_iter.set_state(extra["data"])
+    positives, seen = np.asarray(extra["label_positives"]), np.asarray(extra["label_counts"])
+  log = _JsonlWriter(os.path.join(out_dir, "metrics.jsonl"), append=resume and start_step > 0)
+
+  # ---- loop --------------------------------------------------------------------------------------
+  batch_size = cfg.data.pipeline.batch_size
+  bar = None
+  if progress:
+    from tqdm import tqdm
+    bar = tqdm(total=tc.steps, initial=start_step, unit="step", dynamic_ncols=True)
+  pending = None  # (step, metrics on device) of the last dispatched step, read one step later
+  compile_s, t_first = None, None
+  eval_records = []
+  model_flops, examples, history_tokens = 0.0, 0, 0  # over the batches of this run (real rows only)
+
+  def drain(pending):
+    step, dev_metrics = pending
+    host = _jsonable(jax.device_get(dev_metrics))
+    if not math.isfinite(host["loss"]):
+      raise FloatingPointError(f"non-finite loss {host['loss']} at step {step}; stopping the run")
+    return step, host
+
+  end_step = tc.steps if stop_after is None else min(stop_after, tc.steps)
+  for step in range(start_step, end_step):
+    batch = next(train_iter)
+    labels = np.asarray(batch.labels_BxK) * np.asarray(batch.label_mask_BxK)
+    positives += labels.sum(0)
+    seen += (np.asarray(batch.label_mask_BxK) * np.asarray(batch.example_mask_B)[:, None]).sum(0)
+    lengths = np.asarray(batch.history.lengths())[np.asarray(batch.example_mask_B) > 0]
+    model_flops += flops.model_flops(cfg.model, spec, lengths)
+    examples += lengths.size
+    history_tokens += int(lengths.sum())
+    t0 = time.perf_counter()
+    state, dev_metrics = train_step(state, batch)
+    if compile_s is None:
+      jax.block_until_ready(dev_metrics)
+      compile_s = time.perf_counter() - t0
+      t_first = time.perf_counter()
+    if pending is not None:
+      s, host = drain(pending)
+      if (s + 1) % tc.log_every == 0:
+        elapsed = time.perf_counter() - t_first
+        done = s + 1 - start_step - 1
+        host.update(step=s + 1, examples_per_s=done * batch_size / elapsed if done > 0 else None)
+        log.write(host)
+        if bar is not None:
+          bar.set_postfix(loss=f"{host['loss']:.4f}", ex_s=f"{host['examples_per_s'] or 0:.0f}")
+    pending = (step, dev_metrics)
+    if bar is not None:
+      bar.update(1)
+    if ckpt.should_save(step + 1) or step + 1 in (tc.steps, end_step):
+      # A copy: the next step donates `state`, and an async save must not read donated buffers.
+      ckpt.save(step + 1, jax.tree_util.tree_map(jnp.copy, state),
+                {"data": train_iter.get_state(), "label_positives": positives.tolist(),
+                 "label_counts": seen.tolist()}, force=True)
+    if (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
+      model_metrics, _ = evaluate(eval_step, state.params, eval_batches, spec)
+      rec = {"eval_step": step + 1, **{f"{t}/{k}": v for t, m in model_metrics.items() for k, v in m.items()}}
+      log.write(rec)
+      eval_records.append(rec)
+  if pending is not None:
+    s, host = drain(pending)
+    host.update(step=s + 1)
+    log.write(host)
+  jax.block_until_ready(state)
+  train_s = time.perf_counter() - (t_first or time.perf_counter())
+  if bar is not None:
+    bar.close()
+  ckpt.wait()
+  if end_step < tc.steps:
+    log.close()
+    return {"config": cfg.name, "stopped_at": end_step, "steps_this_run": end_step - start_step}
+
+  # ---- final evaluation and summary ----------------------------------------------------------------
+  model_metrics, planted_metrics = evaluate(eval_step, state.params, eval_batches, spec)
+  base_rates = positives / np.maximum(seen, 1)
+  tasks = {}
+  for k, task in enumerate(spec.task_names):
+    m = model_metrics[task]
+    labels, mask = _eval_labels(eval_batches, k)
+    baseline = metrics_lib.normalized_entropy(labels, np.full_like(labels, base_rates[k]), mask)
+    optimal = planted_metrics.get(task, {}).get("ne", float("nan"))
+    tasks[task] = {"eval_ne": m["ne"], "eval_auc": m["auc"], "eval_calibration": m["calibration"],
+                   "eval_base_rate": m["base_rate"], "eval_count": m["count"], "baseline_ne": baseline,
+                   "optimal_ne": optimal, "optimal_auc": planted_metrics.get(task, {}).get("auc", float("nan")),
+                   "gap_closed": (baseline - m["ne"]) / (baseline - optimal) if baseline > optimal else None}
+    log.write({"final_eval": task, **tasks[task]})
+  log.close()
+  steps_run = tc.steps - start_step
+  summary = {
+      "config": cfg.name,
+      "steps": tc.steps,
+      "steps_this_run": steps_run,
+      "batch_size": batch_size,
+      "examples_per_s": (steps_run - 1) * batch_size / train_s if steps_run > 1 and train_s > 0 else None,
+      "compile_s": compile_s,
+      "wall_s": time.perf_counter() - t_start,
+      "params": flops.param_counts(cfg.model, spec),
+      "model_flops_per_example": model_flops / max(examples, 1),
+      "mean_history_length": history_tokens / max(examples, 1),
+      "tasks": tasks,
+  }
+  with open(os.path.join(out_dir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  return summary
+
+
+def _eval_labels(batches, k: int):
+  labels = np.concatenate([np.asarray(b.labels_BxK)[:, k] for b in batches])
+  mask = np.concatenate([np.asarray(b.label_mask_BxK)[:, k] * np.asarray(b.example_mask_B) for b in batches])
+  return labels, mask

@@ -1,0 +1,34 @@
+"""Test helpers shared by the data tests: random valid Examples of a spec."""
+
+import numpy as np
+
+from gem_jax.data.batch import Examples
+
+
+def make_examples(spec, rng, n, hist_lengths=None):
+  """n valid random examples of `spec` (histories of hist_lengths tokens if given)."""
+  vocab = lambda table: spec.table(table).vocab_size
+  if hist_lengths is None:
+    hist_lengths = rng.integers(0, spec.sequence.max_len + 1, n)
+  hist_lengths = np.asarray(hist_lengths, np.int64)
+  tokens = int(hist_lengths.sum())
+  hist = np.stack([rng.integers(0, vocab(f.table), tokens) for f in spec.sequence.fields], axis=1)
+  multi = {}
+  for f in spec.multi_hot:
+    lengths = rng.integers(0, f.max_ids + 1, n)
+    multi[f.name] = (rng.integers(0, vocab(f.table), int(lengths.sum())), lengths)
+  K = len(spec.tasks)
+  labels, mask = np.zeros((n, K), np.float32), np.zeros((n, K), np.float32)
+  for k, t in enumerate(spec.tasks):
+    p = spec.task_names.index(t.parent) if t.parent else None
+    mask[:, k] = 1.0 if p is None else labels[:, p] * mask[:, p]
+    labels[:, k] = rng.integers(0, 2, n) * mask[:, k]
+  return Examples(
+      sparse={f.name: rng.integers(0, vocab(f.table), n) for f in spec.single_hot},
+      multi_hot=multi,
+      dense_nxG=rng.normal(size=(n, spec.dense_dim)).astype(np.float32),
+      history=(hist, hist_lengths),
+      domain_n=rng.integers(0, len(spec.domains), n),
+      labels_nxK=labels,
+      label_mask_nxK=mask,
+      planted_logits_nxK=rng.normal(size=(n, K)).astype(np.float32))
