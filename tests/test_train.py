@@ -54,3 +54,5 @@ def test_resume_from_an_empty_folder_starts_at_step_zero(tmp_path):
   summary = train(_tiny(**{"train.steps": 2}), str(tmp_path), resume=True,
                   progress=False)
   assert summary["steps_this_run"] == 2
+  with pytest.raises(FileExistsError, match="--resume"):
+    train(_tiny(**{"train.steps": 2}), str(tmp_path), progress=False)

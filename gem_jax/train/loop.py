@@ -40,8 +40,19 @@ def _jsonable(tree) -> Any:
 
 
 class _JsonlWriter:
-  def __init__(self, path: str, append: bool):
-    self._f = open(path, "a" if append else "w")
+  """metrics.jsonl; on resume from step k, records past k (written after that checkpoint by the run that
+  stopped) are dropped so that every step appears once."""
+
+  def __init__(self, path: str, resume_step: int | None):
+    kept = []
+    if resume_step is not None and os.path.exists(path):
+      with open(path) as f:
+        for line in f:
+          record = json.loads(line)
+          if record.get("step", record.get("eval_step", 0)) <= resume_step and "final_eval" not in record:
+            kept.append(line)
+    self._f = open(path, "w")
+    self._f.writelines(kept)
 
   def write(self, record: dict) -> None:
     self._f.write(json.dumps(record) + "\n")
@@ -103,7 +114,10 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
     start_step, state, extra = ckpt.restore(abstract_state=abstract)
     train_iter.set_state(extra["data"])
     positives, seen = np.asarray(extra["label_positives"]), np.asarray(extra["label_counts"])
-  log = _JsonlWriter(os.path.join(out_dir, "metrics.jsonl"), append=resume and start_step > 0)
+  elif ckpt.latest_step() is not None:
+    raise FileExistsError(f"{out_dir} already holds checkpoints (last step {ckpt.latest_step()}): pass "
+                          "--resume to continue that run, or choose another --out")
+  log = _JsonlWriter(os.path.join(out_dir, "metrics.jsonl"), start_step if start_step > 0 else None)
 
   # ---- loop --------------------------------------------------------------------------------------
   batch_size = cfg.data.pipeline.batch_size
@@ -113,7 +127,6 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
     bar = tqdm(total=tc.steps, initial=start_step, unit="step", dynamic_ncols=True)
   pending = None  # (step, metrics on device) of the last dispatched step, read one step later
   compile_s, t_first = None, None
-  eval_records = []
   model_flops, examples, history_tokens = 0.0, 0, 0  # over the batches of this run (real rows only)
 
   def drain(pending):
@@ -160,7 +173,6 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
       model_metrics, _ = evaluate(eval_step, state.params, eval_batches, spec)
       rec = {"eval_step": step + 1, **{f"{t}/{k}": v for t, m in model_metrics.items() for k, v in m.items()}}
       log.write(rec)
-      eval_records.append(rec)
   if pending is not None:
     s, host = drain(pending)
     host.update(step=s + 1)
