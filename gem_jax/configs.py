@@ -76,8 +76,10 @@ def small() -> Config:
   data = DataConfig(spec, SyntheticConfig(seed=0),
                     PipelineConfig(batch_size=256, history_bucket_fractions=(0.5625, 1.0), read_threads=1,
                                    prefetch_buffer_size=4))
-  train = TrainConfig(steps=900, learning_rate=2e-3, warmup_steps=50, eval_every=10_000, eval_examples=65536,
-                      checkpoint_every=300, log_every=20)
+  # Row-wise Adagrad at 0.2 on the tables: at 0.05 the same run closed 53% of the click NE gap, at 0.1
+  # 63%, at 0.2 67% (dense AdamW at 3e-3).
+  train = TrainConfig(steps=900, learning_rate=3e-3, embedding_learning_rate=0.2, warmup_steps=50,
+                      eval_every=10_000, eval_examples=65536, checkpoint_every=300, log_every=20)
   return Config("small", model, data, train)
 
 
