@@ -40,7 +40,7 @@ def xla_forward_flops(cfg, batch) -> float:
 # Unpadded means every layer's rows fill its static max length: length >= every keep_last value. The
 # match holds where matmuls dominate (the shipped CPU default and wider); at the tiny config's 16-wide
 # heads XLA's pointwise ops (mask, bucketing, SiLU) add ~20% on top of the matmuls.
-@pytest.mark.parametrize("name,length", [("small", 128), ("small", 200)])
+@pytest.mark.parametrize("name,length", [("small", 64)])
 def test_analytic_flops_match_xla_on_unpadded_batch(name, length):
   cfg = configs.get(name)
   batch = unpadded_batch(cfg.data.spec, 16, length)

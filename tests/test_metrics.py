@@ -137,7 +137,8 @@ def labelled_scores(draw):
   y = draw(hnp.arrays(np.float64, n, elements=st.sampled_from([0.0, 1.0])))
   # Few distinct score values so that ties are common.
   s = draw(hnp.arrays(np.float64, n, elements=st.sampled_from([0.05, 0.2, 0.5, 0.51, 0.9])))
-  w = draw(hnp.arrays(np.float64, n, elements=st.floats(0.0, 5.0)))
+  # Zero or at least 1e-3: subnormal weights make w_pos * w_neg underflow to 0 in both computations.
+  w = draw(hnp.arrays(np.float64, n, elements=st.one_of(st.just(0.0), st.floats(1e-3, 5.0))))
   return y, s, w
 
 
