@@ -1,7 +1,7 @@
 """One public entry per kernel. `impl` picks the implementation by name from a registry:
 
   "xla"     pure jnp, runs on every backend (the CPU default)
-  "pallas"  Pallas kernel (GPU; interpret mode on CPU)        -- the jagged-kernels issue
+  "pallas"  Pallas kernel (Triton-lowered on GPU; interpret mode elsewhere)
   "triton"  jax-triton kernel (GPU only)                       -- the jagged-kernels issue
   "auto"    pallas on GPU, xla elsewhere
 
@@ -14,9 +14,10 @@ from typing import Callable
 
 import jax
 
+from pallas_kernels.hstu_attention import api as hstu_pallas
 from pallas_kernels.hstu_attention import reference as hstu_reference
 
-_HSTU_IMPLS: dict[str, Callable] = {"xla": hstu_reference.hstu_attention}
+_HSTU_IMPLS: dict[str, Callable] = {"xla": hstu_reference.hstu_attention, "pallas": hstu_pallas.hstu_attention}
 
 
 def register_hstu_impl(name: str, fn: Callable) -> None:

@@ -1,0 +1,137 @@
+"""The HSTU attention Pallas kernels (interpret mode) against the jnp reference: forward, d q/k/v and
+d rel_bias on jagged rows with empty and single-token rows, targets, windows and contextual tokens,
+plus mask isolation: a masked-out key (or a token of another row, or tail padding) changes nothing.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.hstu_attention import api
+from pallas_kernels.hstu_attention import pallas as hstu_pallas
+from pallas_kernels.hstu_attention import reference
+from pallas_kernels.hstu_attention.config import CPU_TEST_BLOCKS, HSTUBlockConfig
+
+TAIL = 3  # token slots past offsets[B]
+
+# name: (lengths, N, D, Dv, R or 0, attention kwargs)
+CASES = {
+    "plain_d32": ([0, 1, 19], 24, 32, 32, 0, {}),
+    "targets_window_bias_d64": ([11, 0, 24], 24, 64, 32, 16,
+                                {"num_targets": [3, 0, 2], "max_attn_len": 5}),
+    "contextual_targets_bias": ([17, 1, 6], 20, 32, 32, 8,
+                                {"num_targets": [2, 0, 1], "contextual_seq_len": 3}),
+    "contextual_window_d64": ([0, 25, 9], 32, 64, 64, 0, {"contextual_seq_len": 2, "max_attn_len": 4}),
+    "noncausal_bias": ([5, 0, 12], 16, 32, 32, 6, {"causal": False}),
+}
+
+
+def _inputs(case, dtype, seed=0):
+  lengths, n, d, dv, r, kwargs = CASES[case]
+  rng = np.random.default_rng(seed)
+  offsets_Bp1 = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+  capacity = int(offsets_Bp1[-1]) + TAIL
+  heads = 2
+  q, k = (jnp.asarray(rng.normal(size=(capacity, heads, d)), dtype) for _ in range(2))
+  v = jnp.asarray(rng.normal(size=(capacity, heads, dv)), dtype)
+  bias = jnp.asarray(rng.normal(size=(heads, r)), jnp.float32) if r else None
+  cot = jnp.asarray(rng.normal(size=(capacity, heads, dv)), jnp.float32)
+  kwargs = dict(kwargs, max_seq_len=n, alpha=0.7)
+  if "num_targets" in kwargs:
+    kwargs["num_targets"] = jnp.asarray(kwargs["num_targets"], jnp.int32)
+  return (q, k, v, bias), offsets_Bp1, cot, kwargs
+
+
+def _value_and_grads(fn, args, offsets_Bp1, cot, kwargs):
+  """(out, grads of sum(out * cot) w.r.t. q, k, v and, when present, rel_bias), jitted."""
+  argnums = (0, 1, 2, 3) if args[3] is not None else (0, 1, 2)
+
+  def loss(q, k, v, bias):
+    out = fn(q, k, v, offsets_Bp1, rel_bias_HxR=bias, **kwargs)
+    return jnp.sum(out.astype(jnp.float32) * cot), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*args)
+  return out, grads
+
+
+def _max_rel_err(got, want):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+pallas_fn = functools.partial(api.hstu_attention, block=CPU_TEST_BLOCKS, interpret=True)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_f32_forward_and_grads_match_reference(case):
+  args, offsets_Bp1, cot, kwargs = _inputs(case, jnp.float32)
+  want_out, want_grads = _value_and_grads(reference.hstu_attention, args, offsets_Bp1, cot, kwargs)
+  got_out, got_grads = _value_and_grads(pallas_fn, args, offsets_Bp1, cot, kwargs)
+  assert float(jnp.max(jnp.abs(want_out))) > 0
+  assert _max_rel_err(got_out, want_out) <= 1e-5
+  np.testing.assert_array_equal(np.asarray(got_out[-TAIL:]), 0.0)
+  for name, got, want in zip("qkvb", got_grads, want_grads):
+    assert got.shape == want.shape and got.dtype == want.dtype, name
+    assert _max_rel_err(got, want) <= 1e-5, name
+
+
+@pytest.mark.parametrize("case", ["targets_window_bias_d64", "contextual_targets_bias"])
+def test_bf16_forward_and_grads_match_f32_reference(case):
+  args, offsets_Bp1, cot, kwargs = _inputs(case, jnp.bfloat16)
+  # The f32 reference on the same (bf16-rounded) inputs is the target the bf16 kernel approximates.
+  args_f32 = tuple(None if x is None else x.astype(jnp.float32) for x in args)
+  want_out, want_grads = _value_and_grads(reference.hstu_attention, args_f32, offsets_Bp1, cot, kwargs)
+  got_out, got_grads = _value_and_grads(pallas_fn, args, offsets_Bp1, cot, kwargs)
+  assert got_out.dtype == jnp.bfloat16
+  assert _max_rel_err(got_out, want_out) <= 2e-2
+  for name, got, want in zip("qkvb", got_grads, want_grads):
+    assert _max_rel_err(got, want) <= 2e-2, name
+
+
+def test_masked_out_keys_never_change_outputs():
+  case = "contextual_targets_bias"
+  (q, k, v, bias), offsets_Bp1, _, kwargs = _inputs(case, jnp.float32, seed=1)
+  # Two keys per row on top of the window/target/contextual structure: add a window too.
+  kwargs = dict(kwargs, max_attn_len=3)
+  lengths = np.diff(np.asarray(offsets_Bp1))
+  mask_BxNxN, _ = reference.attention_mask(
+      jnp.asarray(lengths), kwargs["max_seq_len"], num_targets_B=kwargs["num_targets"],
+      max_attn_len=3, contextual_seq_len=kwargs["contextual_seq_len"])
+  mask_BxNxN = np.asarray(mask_BxNxN)
+  attend = jax.jit(lambda k, v: pallas_fn(q, k, v, offsets_Bp1, rel_bias_HxR=bias, **kwargs))
+  base = np.asarray(attend(k, v))
+  offsets = np.asarray(offsets_Bp1)
+  for token in range(k.shape[0]):
+    big = jnp.full(k.shape[1:], 1e3, jnp.float32)
+    got = np.asarray(attend(k.at[token].set(big), v.at[token].set(-big)))
+    changed_T = np.any(got != base, axis=(1, 2))
+    # Queries that may see `token`: those of its row whose mask column is set.
+    may_see_T = np.zeros(k.shape[0], bool)
+    if token < offsets[-1]:
+      row = int(np.searchsorted(offsets, token, side="right") - 1)
+      col = token - offsets[row]
+      may_see_T[offsets[row]:offsets[row + 1]] = mask_BxNxN[row, :lengths[row], col]
+      assert changed_T[token], f"token {token} does not change its own output"
+    assert not np.any(changed_T & ~may_see_T), f"masked-out key {token} changed {np.nonzero(changed_T & ~may_see_T)}"
+
+
+@pytest.mark.parametrize("max_seq_len,num_buckets", [(40, 16), (40, 1), (7, 32), (300, 100), (5000, 20)])
+def test_bucket_segments_reproduce_relative_position_bucket(max_seq_len, num_buckets):
+  want = np.asarray(reference.relative_position_bucket(jnp.arange(max_seq_len), num_buckets))
+  got = np.full(max_seq_len, -1)
+  for bucket, lo, hi in hstu_pallas.bucket_segments(max_seq_len, num_buckets):
+    got[lo:hi] = bucket
+  np.testing.assert_array_equal(got, want)
+
+
+def test_bad_arguments_raise():
+  (q, k, v, _), offsets_Bp1, _, _ = _inputs("plain_d32", jnp.float32)
+  with pytest.raises(ValueError, match="rel_bias"):
+    api.hstu_attention(q, k, v, offsets_Bp1, max_seq_len=24, alpha=1.0, rel_bias_HxR=jnp.zeros((3, 4)))
+  with pytest.raises(ValueError, match="num_targets"):
+    api.hstu_attention(q, k, v, offsets_Bp1, max_seq_len=24, alpha=1.0, num_targets=jnp.zeros((2,)))
+  with pytest.raises(ValueError, match="power of two"):
+    HSTUBlockConfig(block_q=12)
