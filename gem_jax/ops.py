@@ -16,12 +16,23 @@ import jax
 
 from pallas_kernels.hstu_attention import api as hstu_pallas
 from pallas_kernels.hstu_attention import reference as hstu_reference
+from pallas_kernels.jagged_softmax_attention import blocked as softmax_blocked
+from pallas_kernels.jagged_softmax_attention import reference as softmax_reference
 
 _HSTU_IMPLS: dict[str, Callable] = {"xla": hstu_reference.hstu_attention, "pallas": hstu_pallas.hstu_attention}
 
 
+# The softmax attention's "xla" path is the blocked band (no B x N x N array); "reference" pads to B x N.
+_SOFTMAX_IMPLS: dict[str, Callable] = {"xla": softmax_blocked.jagged_softmax_attention,
+                                       "reference": softmax_reference.jagged_softmax_attention}
+
+
 def register_hstu_impl(name: str, fn: Callable) -> None:
   _HSTU_IMPLS[name] = fn
+
+
+def register_softmax_impl(name: str, fn: Callable) -> None:
+  _SOFTMAX_IMPLS[name] = fn
 
 
 def _resolve(impl: str, registry: dict[str, Callable], kernel: str) -> Callable:
@@ -45,3 +56,13 @@ def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int,
   return fn(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, max_seq_len=max_seq_len, alpha=alpha,
             causal=causal, num_targets=num_targets, max_attn_len=max_attn_len,
             contextual_seq_len=contextual_seq_len, rel_bias_HxR=rel_bias_HxR)
+
+
+def jagged_softmax_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int, scale: float,
+                             causal: bool = True, num_targets=None, max_attn_len: int = 0,
+                             contextual_seq_len: int = 0, impl: str = "auto"):
+  """Softmax attention over jagged rows with the HSTU mask semantics (InterFormer-style sequence arches);
+  see pallas_kernels/jagged_softmax_attention/reference.py."""
+  fn = _resolve(impl, _SOFTMAX_IMPLS, "jagged_softmax_attention")
+  return fn(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, max_seq_len=max_seq_len, scale=scale, causal=causal,
+            num_targets=num_targets, max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len)

@@ -60,7 +60,7 @@ def _row_of_token(offsets_Bp1, capacity: int):
   return jnp.clip(row_T, 0, num_rows - 1), t_T < offsets_Bp1[-1]
 
 
-def _to_dense(x_TxHxD, offsets_Bp1, max_len: int):
+def to_dense(x_TxHxD, offsets_Bp1, max_len: int):
   """B x N x H x D, zero past each row's end."""
   lengths_B = offsets_Bp1[1:] - offsets_Bp1[:-1]
   pos_N = jnp.arange(max_len, dtype=jnp.int32)
@@ -69,8 +69,8 @@ def _to_dense(x_TxHxD, offsets_Bp1, max_len: int):
   return jnp.where(valid_BxN[:, :, None, None], x_TxHxD[src_BxN], jnp.zeros((), x_TxHxD.dtype))
 
 
-def _to_jagged(x_BxNxHxD, offsets_Bp1, capacity: int):
-  """Inverse of _to_dense on the same offsets; tail padding slots are zero."""
+def to_jagged(x_BxNxHxD, offsets_Bp1, capacity: int):
+  """Inverse of to_dense on the same offsets; tail padding slots are zero."""
   row_T, valid_T = _row_of_token(offsets_Bp1, capacity)
   pos_T = jnp.where(valid_T, jnp.arange(capacity, dtype=jnp.int32) - offsets_Bp1[row_T], 0)
   pos_T = jnp.minimum(pos_T, x_BxNxHxD.shape[1] - 1)
@@ -116,9 +116,9 @@ def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int,
     return jnp.zeros_like(v_TxHxDv)
   offsets_Bp1 = jnp.asarray(offsets_Bp1, jnp.int32)
   n = max_seq_len
-  q_BxNxHxD = _to_dense(q_TxHxD, offsets_Bp1, n)
-  k_BxNxHxD = _to_dense(k_TxHxD, offsets_Bp1, n)
-  v_BxNxHxDv = _to_dense(v_TxHxDv, offsets_Bp1, n)
+  q_BxNxHxD = to_dense(q_TxHxD, offsets_Bp1, n)
+  k_BxNxHxD = to_dense(k_TxHxD, offsets_Bp1, n)
+  v_BxNxHxDv = to_dense(v_TxHxDv, offsets_Bp1, n)
   mask_BxNxN, dist_BxNxN = attention_mask(
       offsets_Bp1[1:] - offsets_Bp1[:-1], n, causal=causal, num_targets_B=num_targets,
       max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len)
@@ -137,4 +137,4 @@ def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int,
   weights_BxHxNxN = jnp.where(mask_BxNxN[:, None], jax.nn.silu(logits_BxHxNxN), 0.0) / n
   out_BxNxHxDv = jnp.einsum("bhij,bjhd->bihd", weights_BxHxNxN, v_BxNxHxDv.astype(jnp.float32),
                             preferred_element_type=jnp.float32)
-  return _to_jagged(out_BxNxHxDv, offsets_Bp1, capacity).astype(v_TxHxDv.dtype)
+  return to_jagged(out_BxNxHxDv, offsets_Bp1, capacity).astype(v_TxHxDv.dtype)
