@@ -1,0 +1,173 @@
+"""The tiled (tile list + dynamic loop) HSTU attention against the jnp reference: forward, d q/k/v and
+d rel_bias on jagged rows with empty and single-token rows, lengths off the block grid, targets,
+windows, contextual tokens and non-causal rows; the tile list covers every masked pair, fits its static
+capacity, and on a heavy-tailed batch executes at most 1.5x the jagged causal pairs.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.hstu_attention import reference
+from pallas_kernels.hstu_attention import tiled
+
+TAIL = 3  # token slots past offsets[B]
+BLOCK = 8
+
+# name: (lengths, N, D, Dv, R or 0, attention kwargs)
+CASES = {
+    "plain": ([0, 1, 19, 8], 24, 16, 8, 0, {}),
+    "targets_window_bias": ([11, 0, 24], 24, 8, 16, 12, {"num_targets": [3, 0, 2], "max_attn_len": 5}),
+    "contextual_targets_bias": ([17, 1, 6], 20, 8, 8, 8, {"num_targets": [2, 0, 1], "contextual_seq_len": 3}),
+    "contextual_window": ([0, 25, 9, 1], 32, 16, 16, 0, {"contextual_seq_len": 10, "max_attn_len": 4}),
+    "noncausal_bias": ([5, 0, 12], 16, 8, 8, 6, {"causal": False}),
+}
+
+
+def _inputs(case, dtype, seed=0):
+  lengths, n, d, dv, r, kwargs = CASES[case]
+  rng = np.random.default_rng(seed)
+  offsets_Bp1 = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+  capacity = int(offsets_Bp1[-1]) + TAIL
+  heads = 2
+  q, k = (jnp.asarray(rng.normal(size=(capacity, heads, d)), dtype) for _ in range(2))
+  v = jnp.asarray(rng.normal(size=(capacity, heads, dv)), dtype)
+  bias = jnp.asarray(rng.normal(size=(heads, r)), jnp.float32) if r else None
+  cot = jnp.asarray(rng.normal(size=(capacity, heads, dv)), jnp.float32)
+  kwargs = dict(kwargs, max_seq_len=n, alpha=0.7)
+  if "num_targets" in kwargs:
+    kwargs["num_targets"] = jnp.asarray(kwargs["num_targets"], jnp.int32)
+  return (q, k, v, bias), offsets_Bp1, cot, kwargs
+
+
+def _value_and_grads(fn, args, offsets_Bp1, cot, kwargs):
+  """(out, grads of sum(out * cot) w.r.t. q, k, v and, when present, rel_bias), jitted."""
+  argnums = (0, 1, 2, 3) if args[3] is not None else (0, 1, 2)
+
+  def loss(q, k, v, bias, offsets_Bp1):
+    out = fn(q, k, v, offsets_Bp1, rel_bias_HxR=bias, **kwargs)
+    return jnp.sum(out.astype(jnp.float32) * cot), out
+
+  # offsets go in as a traced argument: the tile list must be built on device.
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*args, offsets_Bp1)
+  return out, grads
+
+
+def _max_rel_err(got, want):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+def tiled_fn(*args, **kwargs):
+  return tiled.hstu_attention(*args, block=BLOCK, **kwargs)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_f32_forward_and_grads_match_reference(case):
+  args, offsets_Bp1, cot, kwargs = _inputs(case, jnp.float32)
+  want_out, want_grads = _value_and_grads(reference.hstu_attention, args, offsets_Bp1, cot, kwargs)
+  got_out, got_grads = _value_and_grads(tiled_fn, args, offsets_Bp1, cot, kwargs)
+  assert float(jnp.max(jnp.abs(want_out))) > 0
+  assert got_out.shape == want_out.shape and got_out.dtype == want_out.dtype
+  assert _max_rel_err(got_out, want_out) <= 1e-5
+  np.testing.assert_array_equal(np.asarray(got_out[-TAIL:]), 0.0)
+  for name, got, want in zip("qkvb", got_grads, want_grads):
+    assert got.shape == want.shape and got.dtype == want.dtype, name
+    assert float(jnp.max(jnp.abs(want))) > 0, name
+    assert _max_rel_err(got, want) <= 1e-5, name
+
+
+@pytest.mark.parametrize("case", ["targets_window_bias", "contextual_targets_bias"])
+def test_bf16_forward_and_grads_match_f32_reference(case):
+  args, offsets_Bp1, cot, kwargs = _inputs(case, jnp.bfloat16)
+  # The f32 reference on the same (bf16-rounded) inputs is the target the bf16 path approximates.
+  args_f32 = tuple(None if x is None else x.astype(jnp.float32) for x in args)
+  want_out, want_grads = _value_and_grads(reference.hstu_attention, args_f32, offsets_Bp1, cot, kwargs)
+  got_out, got_grads = _value_and_grads(tiled_fn, args, offsets_Bp1, cot, kwargs)
+  assert got_out.dtype == jnp.bfloat16
+  assert _max_rel_err(got_out, want_out) <= 2e-2
+  for name, got, want in zip("qkvb", got_grads, want_grads):
+    assert got.dtype == args["qkvb".index(name)].dtype, name
+    assert _max_rel_err(got, want) <= 2e-2, name
+
+
+def test_other_rows_and_tail_never_change_outputs():
+  (q, k, v, bias), offsets_Bp1, _, kwargs = _inputs("targets_window_bias", jnp.float32, seed=1)
+  attend = jax.jit(lambda q, k, v: tiled_fn(q, k, v, offsets_Bp1, rel_bias_HxR=bias, **kwargs))
+  base = np.asarray(attend(q, k, v))
+  # Row 0 is tokens [0, 11): huge (even inf) values everywhere else must leave it bit for bit alone.
+  outside = jnp.arange(q.shape[0]) >= 11
+  poison = lambda x: jnp.where(outside[:, None, None], jnp.inf, x)
+  got = np.asarray(attend(poison(q), poison(k), poison(v)))
+  np.testing.assert_array_equal(got[:11], base[:11])
+
+
+def _coverage(offsets_Bp1, n, kwargs):
+  """(covered_BxNxN bool from the tile list, n_tiles, tile capacity, unclamped tile count)."""
+  num_rows = offsets_Bp1.shape[0] - 1
+  targets = kwargs.get("num_targets")
+  s = tiled._Static(n, 1.0, kwargs.get("causal", True), targets is not None, kwargs.get("max_attn_len", 0),
+                    kwargs.get("contextual_seq_len", 0), BLOCK, False)
+  cap = tiled.tile_capacity(int(offsets_Bp1[-1]), num_rows, s)
+  targets_B = tiled._targets(targets, num_rows)
+  tiles_Cx3, n_tiles = tiled._tiles(offsets_Bp1, targets_B, cap, s)
+  _, unclamped = tiled._tiles(offsets_Bp1, targets_B, cap * 4 + 64, s)
+  covered = np.zeros((num_rows, n + BLOCK, n + BLOCK), bool)
+  for b, q0, k0 in np.asarray(tiles_Cx3)[:int(n_tiles)]:
+    assert not covered[b, q0, k0], "tile listed twice"
+    covered[b, q0:q0 + BLOCK, k0:k0 + BLOCK] = True
+  return covered[:, :n, :n], int(n_tiles), cap, int(unclamped)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tile_list_covers_mask_and_fits_capacity(case):
+  _, offsets_Bp1, _, kwargs = _inputs(case, jnp.float32)
+  n = kwargs["max_seq_len"]
+  covered, n_tiles, cap, unclamped = _coverage(offsets_Bp1, n, kwargs)
+  mask, _ = reference.attention_mask(
+      np.diff(np.asarray(offsets_Bp1)), n, causal=kwargs.get("causal", True),
+      num_targets_B=kwargs.get("num_targets"), max_attn_len=kwargs.get("max_attn_len", 0),
+      contextual_seq_len=kwargs.get("contextual_seq_len", 0))
+  assert not np.any(np.asarray(mask) & ~covered)
+  assert unclamped == n_tiles <= cap
+  assert n_tiles * BLOCK * BLOCK == tiled.executed_pairs(offsets_Bp1, n, BLOCK, **{
+      key: val for key, val in kwargs.items() if key not in ("max_seq_len", "alpha")})
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"causal": False}, {"contextual_seq_len": 11}])
+def test_tile_capacity_bounds_worst_case_offsets(kwargs):
+  n, capacity = 32, 100  # full rows then a remainder: the packing the bound is tight for
+  for lengths in ([32, 32, 32, 4, 0], [1] * 5, [32, 32, 9, 9, 9], [0, 0, 0, 0, 100]):
+    lengths = np.minimum(lengths, n)
+    offsets_Bp1 = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    s = tiled._Static(n, 1.0, kwargs.get("causal", True), False, 0, kwargs.get("contextual_seq_len", 0),
+                      BLOCK, False)
+    cap = tiled.tile_capacity(capacity, len(lengths), s)
+    _, count = tiled._tiles(offsets_Bp1, jnp.zeros(len(lengths), jnp.int32), cap * 4, s)
+    assert int(count) <= cap, lengths
+
+
+def test_heavy_tailed_batch_executes_at_most_1p5x_jagged_pairs():
+  n, rows, block = 256, 64, 16
+  rng = np.random.default_rng(0)
+  lengths = np.clip(np.round(rng.lognormal(np.log(60.0) - 0.5, 1.0, rows)), 0, n).astype(np.int32)
+  assert lengths.mean() <= n / 4 and lengths.max() > 3 * lengths.mean()  # heavy tail, as meant
+  offsets_Bp1 = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+  mask, _ = reference.attention_mask(jnp.asarray(lengths), n)
+  jagged_pairs = int(np.asarray(mask).sum())
+  executed = tiled.executed_pairs(offsets_Bp1, n, block)
+  assert jagged_pairs <= executed <= 1.5 * jagged_pairs, (executed, jagged_pairs)
+  assert executed < 0.5 * rows * n * n / 2  # far below the padded dense causal work
+
+
+def test_empty_batch_and_bad_arguments():
+  (q, k, v, _), offsets_Bp1, _, _ = _inputs("plain", jnp.float32)
+  out = tiled.hstu_attention(q, k, v, jnp.zeros((1,), jnp.int32), max_seq_len=24, alpha=1.0)
+  np.testing.assert_array_equal(np.asarray(out), 0.0)
+  with pytest.raises(ValueError, match="rel_bias"):
+    tiled.hstu_attention(q, k, v, offsets_Bp1, max_seq_len=24, alpha=1.0, rel_bias_HxR=jnp.zeros((3, 4)))
+  with pytest.raises(ValueError, match="num_targets"):
+    tiled.hstu_attention(q, k, v, offsets_Bp1, max_seq_len=24, alpha=1.0, num_targets=jnp.zeros((2,)))
+  with pytest.raises(ValueError, match="disagree"):
+    tiled.hstu_attention(q, k[:-1], v, offsets_Bp1, max_seq_len=24, alpha=1.0)
