@@ -33,6 +33,15 @@ _SOFTMAX_IMPLS: dict[str, Callable] = {"xla": softmax_blocked.jagged_softmax_att
                                        "reference": softmax_reference.jagged_softmax_attention}
 
 
+def _hstu_triton(*args, **kwargs):
+  # Imported on first use: triton is an optional GPU dependency and slow to import.
+  from pallas_kernels.hstu_attention import triton as hstu_triton
+  return hstu_triton.hstu_attention_triton(*args, **kwargs)
+
+
+_HSTU_IMPLS["triton"] = _hstu_triton
+
+
 def register_hstu_impl(name: str, fn: Callable) -> None:
   _HSTU_IMPLS[name] = fn
 

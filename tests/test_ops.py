@@ -40,3 +40,11 @@ def test_softmax_impls_match_the_reference(impl):
   got = jax.jit(lambda q, k, v: ops.jagged_softmax_attention(q, k, v, off, max_seq_len=6, scale=0.3,
                                                               impl=impl))(q, k, v)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_triton_impl_is_registered_and_says_it_needs_a_gpu():
+  if jax.default_backend() == "gpu":
+    pytest.skip("on a GPU the triton impl runs; tests/test_hstu_triton.py checks its math")
+  q, k, v, off = _qkv()
+  with pytest.raises((RuntimeError, ImportError), match="gpu|triton"):
+    ops.hstu_attention(q, k, v, off, max_seq_len=6, alpha=0.5, impl="triton")
