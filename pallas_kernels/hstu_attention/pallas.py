@@ -23,6 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.hstu_attention import masks
+
 _MAX_BUCKET_DISTANCE = 1 << 15  # must match reference.relative_position_bucket
 
 
@@ -67,10 +69,7 @@ def _dot(a, b, contract_a: int, contract_b: int):
 
 
 def _pos(idx, max_pos, s: HSTUStatic):
-  """p(idx) of the reference: contextual tokens share 0, targets share max_pos."""
-  c = s.contextual_seq_len
-  p = jnp.maximum(idx - c + 1, 0) if c > 0 else idx
-  return jnp.minimum(p, max_pos) if s.has_targets else p
+  return masks.position(idx, max_pos, contextual_seq_len=s.contextual_seq_len, has_targets=s.has_targets)
 
 
 def _row(offsets_ref, targets_ref, s: HSTUStatic):
@@ -85,17 +84,8 @@ def _row(offsets_ref, targets_ref, s: HSTUStatic):
 
 def _mask(i_Qx1, j_1xK, n_in, max_pos, s: HSTUStatic):
   """(mask_QxK, d_QxK) exactly as reference.attention_mask, for one tile."""
-  p_i, p_j = _pos(i_Qx1, max_pos, s), _pos(j_1xK, max_pos, s)
-  d_QxK = p_i - p_j
-  in_row_QxK = (i_Qx1 < n_in) & (j_1xK < n_in)
-  if not s.causal:
-    return in_row_QxK, d_QxK
-  mask_QxK = (i_Qx1 == j_1xK) | (d_QxK > 0)
-  if s.max_attn_len > 0:
-    mask_QxK = mask_QxK & (d_QxK <= s.max_attn_len)
-  if s.contextual_seq_len > 0:
-    mask_QxK = mask_QxK | ((p_i == 0) & (p_j < max_pos))
-  return mask_QxK & in_row_QxK, d_QxK
+  return masks.tile_mask(i_Qx1, j_1xK, n_in, max_pos, causal=s.causal, max_attn_len=s.max_attn_len,
+                         contextual_seq_len=s.contextual_seq_len, has_targets=s.has_targets)
 
 
 def _logits(q_QxD, k_KxD, d_QxK, bias_ref, s: HSTUStatic):

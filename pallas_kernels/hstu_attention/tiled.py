@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.hstu_attention import masks
 from pallas_kernels.hstu_attention.reference import relative_position_bucket
 
 
@@ -50,10 +51,7 @@ def _dot(spec, a, b):
 
 
 def _pos(idx, max_pos, s: _Static):
-  """p(idx) of the reference: contextual tokens share 0, targets share max_pos."""
-  c = s.contextual_seq_len
-  p = jnp.maximum(idx - c + 1, 0) if c > 0 else idx
-  return jnp.minimum(p, max_pos) if s.has_targets else p
+  return masks.position(idx, max_pos, contextual_seq_len=s.contextual_seq_len, has_targets=s.has_targets)
 
 
 def _rows(offsets_Bp1, targets_B, s: _Static):
@@ -149,17 +147,8 @@ def _tile_mask(q0, k0, n_in, max_pos, s: _Static):
   """(mask_QxK, d_QxK) exactly as reference.attention_mask, for one tile of one row."""
   i_Qx1 = q0 + jnp.arange(s.block, dtype=jnp.int32)[:, None]
   j_1xK = k0 + jnp.arange(s.block, dtype=jnp.int32)[None, :]
-  p_i, p_j = _pos(i_Qx1, max_pos, s), _pos(j_1xK, max_pos, s)
-  d_QxK = p_i - p_j
-  in_row_QxK = (i_Qx1 < n_in) & (j_1xK < n_in)
-  if not s.causal:
-    return in_row_QxK, d_QxK
-  mask_QxK = (i_Qx1 == j_1xK) | (d_QxK > 0)
-  if s.max_attn_len > 0:
-    mask_QxK = mask_QxK & (d_QxK <= s.max_attn_len)
-  if s.contextual_seq_len > 0:
-    mask_QxK = mask_QxK | ((p_i == 0) & (p_j < max_pos))
-  return mask_QxK & in_row_QxK, d_QxK
+  return masks.tile_mask(i_Qx1, j_1xK, n_in, max_pos, causal=s.causal, max_attn_len=s.max_attn_len,
+                         contextual_seq_len=s.contextual_seq_len, has_targets=s.has_targets)
 
 
 def _load(x_TpxHxW, start, first, n_in, size: int):
