@@ -26,6 +26,7 @@ CASES = {
                                 {"num_targets": [2, 0, 1], "contextual_seq_len": 3}),
     "contextual_window_d64": ([0, 25, 9], 32, 64, 64, 0, {"contextual_seq_len": 2, "max_attn_len": 4}),
     "noncausal_bias": ([5, 0, 12], 16, 32, 32, 6, {"causal": False}),
+    "targets_d128": ([9, 1, 13], 16, 128, 128, 8, {"num_targets": [1, 1, 2]}),
 }
 
 
