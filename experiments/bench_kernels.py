@@ -109,9 +109,12 @@ def bench_shape(shape: Shape, *, reps: int, peak: float, impls: dict, interpret_
   sref_out = sref(q, k, v)
   # The padded baseline: dense softmax attention over B x N x N, what runs without jagged kernels.
   add("padded_softmax_baseline", "dense", "fwd", _timeit(sref, q, k, v, reps=reps), 0.0, flops_fwd)
-  blocked = jax.jit(lambda q, k, v: ops.jagged_softmax_attention(q, k, v, offsets, impl="xla", **skw))
-  add("jagged_softmax_attention", "xla", "fwd", _timeit(blocked, q, k, v, reps=reps),
-      _rel_err(blocked(q, k, v), sref_out), flops_fwd)
+  for name in ("xla", "pallas"):
+    if name == "pallas" and not interpret_pallas:
+      continue
+    sfn = jax.jit(lambda q, k, v, name=name: ops.jagged_softmax_attention(q, k, v, offsets, impl=name, **skw))
+    add("jagged_softmax_attention", name, "fwd", _timeit(sfn, q, k, v, reps=reps), _rel_err(sfn(q, k, v), sref_out),
+        flops_fwd)
   return records
 
 

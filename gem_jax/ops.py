@@ -19,6 +19,7 @@ from pallas_kernels.hstu_attention import api as hstu_pallas
 from pallas_kernels.hstu_attention import reference as hstu_reference
 from pallas_kernels.hstu_attention import tiled as hstu_tiled
 from pallas_kernels.jagged_softmax_attention import blocked as softmax_blocked
+from pallas_kernels.jagged_softmax_attention import pallas as softmax_pallas
 from pallas_kernels.jagged_softmax_attention import reference as softmax_reference
 
 # "xla" is the tiled path: a dynamic loop over the (row, q block, k block) tiles the mask needs, so its work
@@ -30,7 +31,8 @@ _HSTU_IMPLS: dict[str, Callable] = {"xla": hstu_tiled.hstu_attention, "reference
 
 # The softmax attention's "xla" path is the blocked band (no B x N x N array); "reference" pads to B x N.
 _SOFTMAX_IMPLS: dict[str, Callable] = {"xla": softmax_blocked.jagged_softmax_attention,
-                                       "reference": softmax_reference.jagged_softmax_attention}
+                                       "reference": softmax_reference.jagged_softmax_attention,
+                                       "pallas": softmax_pallas.jagged_softmax_attention}
 
 
 def _hstu_triton(*args, **kwargs):
