@@ -109,7 +109,7 @@ def bench_shape(shape: Shape, *, reps: int, peak: float, impls: dict, interpret_
   sref_out = sref(q, k, v)
   # The padded baseline: dense softmax attention over B x N x N, what runs without jagged kernels.
   add("padded_softmax_baseline", "dense", "fwd", _timeit(sref, q, k, v, reps=reps), 0.0, flops_fwd)
-  for name in ("xla", "pallas"):
+  for name in ("xla", "blocked", "pallas"):
     if name == "pallas" and not interpret_pallas:
       continue
     sfn = jax.jit(lambda q, k, v, name=name: ops.jagged_softmax_attention(q, k, v, offsets, impl=name, **skw))

@@ -21,6 +21,7 @@ from pallas_kernels.hstu_attention import tiled as hstu_tiled
 from pallas_kernels.jagged_softmax_attention import blocked as softmax_blocked
 from pallas_kernels.jagged_softmax_attention import pallas as softmax_pallas
 from pallas_kernels.jagged_softmax_attention import reference as softmax_reference
+from pallas_kernels.jagged_softmax_attention import tiled as softmax_tiled
 
 # "xla" is the tiled path: a dynamic loop over the (row, q block, k block) tiles the mask needs, so its work
 # follows the real lengths (1.2-1.4x the jagged causal pairs on heavy-tailed batches); "reference" is the
@@ -29,8 +30,10 @@ _HSTU_IMPLS: dict[str, Callable] = {"xla": hstu_tiled.hstu_attention, "reference
                                     "pallas": hstu_pallas.hstu_attention}
 
 
-# The softmax attention's "xla" path is the blocked band (no B x N x N array); "reference" pads to B x N.
-_SOFTMAX_IMPLS: dict[str, Callable] = {"xla": softmax_blocked.jagged_softmax_attention,
+# Softmax attention: "xla" is the tiled loop (work follows the real lengths, as for HSTU), "blocked" a
+# fixed key band per query block (no dynamic loop), "reference" the dense spec.
+_SOFTMAX_IMPLS: dict[str, Callable] = {"xla": softmax_tiled.jagged_softmax_attention,
+                                       "blocked": softmax_blocked.jagged_softmax_attention,
                                        "reference": softmax_reference.jagged_softmax_attention,
                                        "pallas": softmax_pallas.jagged_softmax_attention}
 

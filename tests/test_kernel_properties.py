@@ -28,7 +28,7 @@ def _inputs(d):
 
 
 CASES = [("hstu", impl, d) for impl in ("reference", "xla", "pallas") for d in (32, 128)] + [
-    ("softmax", impl, d) for impl in ("reference", "xla", "pallas") for d in (32, 128)]
+    ("softmax", impl, d) for impl in ("reference", "xla", "blocked", "pallas") for d in (32, 128)]
 
 
 @pytest.mark.parametrize("kernel,impl,d", CASES)

@@ -33,7 +33,7 @@ def test_hstu_impls_match_the_reference(impl):
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["auto", "xla", "reference", "pallas"])
+@pytest.mark.parametrize("impl", ["auto", "xla", "blocked", "reference", "pallas"])
 def test_softmax_impls_match_the_reference(impl):
   q, k, v, off = _qkv(1)
   ref = softmax_reference.jagged_softmax_attention(q, k, v, off, max_seq_len=6, scale=0.3)
