@@ -27,6 +27,7 @@ CASES = {
     "contextual_targets": ([17, 1, 6], 20, 32, 32, {"num_targets": [2, 0, 1], "contextual_seq_len": 3}),
     "contextual_window_d64": ([0, 29, 9], 32, 64, 64, {"contextual_seq_len": 2, "max_attn_len": 4}),
     "noncausal": ([5, 0, 12], 16, 32, 16, {"causal": False}),
+    "targets_d128": ([9, 1, 13], 16, 128, 128, {"num_targets": [1, 1, 2]}),
 }
 
 

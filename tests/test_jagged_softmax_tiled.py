@@ -26,6 +26,7 @@ CASES = {
     "contextual_targets": ([17, 1, 6], 20, 4, 4, {"num_targets": [2, 0, 1], "contextual_seq_len": 3}),
     "contextual_window": ([0, 25, 9, 1], 32, 8, 8, {"contextual_seq_len": 10, "max_attn_len": 4}),
     "noncausal": ([5, 0, 12, 1], 16, 4, 4, {"causal": False}),
+    "head_dims_32_128": ([9, 1, 13], 16, 32, 128, {"num_targets": [1, 1, 2]}),
 }
 
 
