@@ -14,6 +14,7 @@ from pallas_kernels.hstu_attention import api
 from pallas_kernels.hstu_attention import pallas as hstu_pallas
 from pallas_kernels.hstu_attention import reference
 from pallas_kernels.hstu_attention.config import CPU_TEST_BLOCKS, HSTUBlockConfig
+from tests.kernel_helpers import max_rel_err as _max_rel_err
 
 TAIL = 3  # token slots past offsets[B]
 
@@ -56,11 +57,6 @@ def _value_and_grads(fn, args, offsets_Bp1, cot, kwargs):
 
   (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*args)
   return out, grads
-
-
-def _max_rel_err(got, want):
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
 pallas_fn = functools.partial(api.hstu_attention, block=CPU_TEST_BLOCKS, interpret=True)

@@ -15,6 +15,7 @@ import pytest
 from pallas_kernels.hstu_attention.config import CPU_TEST_BLOCKS
 from pallas_kernels.jagged_softmax_attention import pallas as softmax_pallas
 from pallas_kernels.jagged_softmax_attention import reference
+from tests.kernel_helpers import max_rel_err as _max_rel_err
 
 TAIL = 3      # token slots past offsets[B]
 HEADS = 2
@@ -54,11 +55,6 @@ def _value_and_grads(fn, args, offsets_Bp1, cot, kwargs):
 
   (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
   return out, grads
-
-
-def _max_rel_err(got, want):
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
 pallas_fn = functools.partial(softmax_pallas.jagged_softmax_attention, block=CPU_TEST_BLOCKS, interpret=True)

@@ -14,6 +14,7 @@ import pytest
 from pallas_kernels.hstu_attention.reference import attention_mask
 from pallas_kernels.jagged_softmax_attention import reference
 from pallas_kernels.jagged_softmax_attention import tiled
+from tests.kernel_helpers import max_rel_err as _max_rel_err
 
 TAIL = 3  # token slots past offsets[B]
 BLOCK = 8
@@ -56,11 +57,6 @@ def _value_and_grads(fn, args, offsets_Bp1, cot, kwargs):
   # offsets go in as a traced argument: the tile list must be built on device.
   (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args, offsets_Bp1)
   return out, grads
-
-
-def _max_rel_err(got, want):
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
 def tiled_fn(*args, **kwargs):
