@@ -1,0 +1,207 @@
+"""Pallas kernels of the scaled FP8 GEMMs: C = dequant(A) @ dequant(B) in float32 (reference.py is the spec).
+
+Letters: M rows of A, K the contraction, N columns of B, Kb = ceil(K / 32) MX blocks along K; Mp, Kp,
+Np, Kbp the same padded to whole tiles; bm, bn, bk the tile sizes (block_m, block_n, block_k).
+Layouts (as reference.py):
+
+  MX (block-scaled)  A: elems M x K (float8), scales M x Kb (float8_e8m0fnu)
+                     B: elems K x N,          scales Kb x N
+  row-wise           A: elems M x K, scale M x 1 (float32); B: elems K x N, scale 1 x N (float32)
+  tensor-wise        the same with 1 x 1 scales.
+
+Both kernels run on the grid (Mp / bm, Np / bn); each program loops over the K tiles in-kernel with a
+float32 accumulator (Pallas-Triton has no scratch memory and no ordered grid axis to accumulate over).
+
+  mx_gemm      per K tile: load the float8 tiles and their scales, dequantize in the kernel
+               (elem * 2^scale, broadcast over each 32-wide block), one bf16 x bf16 -> f32 dot. An
+               E4M3/E5M2 element times a power of two has at most 4 significant bits, so it is exact in
+               bf16 while it is a normal number: the dot is exact up to float32 summation order. Scales
+               enter the kernel as their uint8 bit patterns (bitcast in the wrapper; Triton has no
+               E8M0 type) and 2^scale is built from the bits: exponent field = the e8m0 byte, 0 -> 2^-127
+               (a float32 subnormal), 0xFF -> NaN.
+  scaled_gemm  per K tile: one float8 x float8 -> f32 dot (the FP8 tensor cores on Hopper; upcast to
+               float32 in interpret mode, where XLA:CPU has no float8 dot); the row/column scales
+               multiply the accumulator once in the epilogue: (A_e @ B_e) * sa * sb.
+
+Shapes that are not whole tiles are padded in the wrapper with zero elements and, for MX, the e8m0 byte
+0 (2^-127); the output is sliced back. Tiles shrink to the problem for small shapes (to a power of two,
+at least 16 rows/columns and 32 along K: the smallest Triton/wgmma FP8 tiles).
+
+Must never: turn a NaN scale (0xFF) into a number, pad with a NaN scale, let a tile read another
+tile's scales, or accept a shape/dtype mismatch silently. Dequantized values below 2^-126 may be
+flushed to zero on a backend that flushes subnormals (XLA:CPU does); the reference keeps them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from gem_jax.precision import mx
+
+_FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+_MIN_TILE_MN = 16
+_MIN_TILE_K = 32
+_F32_QUIET_NAN_BITS = 0x7FC00000
+_F32_POW2_M127_BITS = 0x00400000  # 2^-127: below float32's normal range
+
+
+def _next_pow2(n: int) -> int:
+  return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def _check_block(name: str, size: int, multiple: int = 1):
+  if size < 1 or size & (size - 1) or size % multiple:
+    extra = f" and a multiple of {multiple} (the MX block)" if multiple > 1 else ""
+    raise ValueError(f"{name} must be a power of two (Triton tiles are){extra}, got {size}")
+
+
+def _tile(block: int, dim: int, minimum: int) -> int:
+  """The tile for one dim: `block`, shrunk to the dim's next power of two (not below `minimum`)."""
+  return min(block, max(minimum, _next_pow2(dim)))
+
+
+def _check_operands(who: str, a_elems_MxK, b_elems_KxN):
+  for name, x in (("a_elems", a_elems_MxK), ("b_elems", b_elems_KxN)):
+    if x.ndim != 2:
+      raise ValueError(f"{who}: {name} must be 2-D, got shape {tuple(x.shape)}")
+    if jnp.dtype(x.dtype) not in _FP8_DTYPES:
+      raise ValueError(f"{who}: {name} must be float8_e4m3fn or float8_e5m2, got {x.dtype}")
+    if 0 in x.shape:
+      raise ValueError(f"{who}: {name} must not be empty, got shape {tuple(x.shape)}")
+  (m, k), (k_b, n) = a_elems_MxK.shape, b_elems_KxN.shape
+  if k != k_b:
+    raise ValueError(f"{who}: a_elems is M x K = {tuple(a_elems_MxK.shape)} but b_elems is K x N = "
+                     f"{tuple(b_elems_KxN.shape)}: K differs")
+  return m, k, n
+
+
+def _pad2(x, rows: int, cols: int, fill):
+  return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])), constant_values=fill)
+
+
+def _dot_f32(a, b):
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _pow2_from_e8m0(bits_u8):
+  """2^(bits - 127) as float32 from e8m0 bytes, built from the bit pattern; 0xFF -> NaN."""
+  e = bits_u8.astype(jnp.int32)
+  f32_bits = jnp.where(e == mx.E8M0_NAN, _F32_QUIET_NAN_BITS,
+                       jnp.where(e == 0, _F32_POW2_M127_BITS, e << 23))
+  return lax.bitcast_convert_type(f32_bits, jnp.float32)
+
+
+def _mx_kernel(a_ref, sa_ref, b_ref, sb_ref, out_ref, *, block_k: int):
+  bm, bn = out_ref.shape
+  kb = block_k // mx.BLOCK_SIZE
+
+  def body(t, acc_MxN):
+    k0 = pl.multiple_of(t * block_k, block_k)
+    kb0 = pl.multiple_of(t * kb, kb)
+    a_MxkbxB = a_ref[:, pl.ds(k0, block_k)].astype(jnp.float32).reshape(bm, kb, mx.BLOCK_SIZE)
+    sa_Mxkbx1 = _pow2_from_e8m0(sa_ref[:, pl.ds(kb0, kb)])[:, :, None]
+    b_kbxBxN = b_ref[pl.ds(k0, block_k), :].astype(jnp.float32).reshape(kb, mx.BLOCK_SIZE, bn)
+    sb_kbx1xN = _pow2_from_e8m0(sb_ref[pl.ds(kb0, kb), :])[:, None, :]
+    # Exact casts: a float8 element times a power of two fits bf16's 8-bit significand.
+    a_Mxk = (a_MxkbxB * sa_Mxkbx1).reshape(bm, block_k).astype(jnp.bfloat16)
+    b_kxN = (b_kbxBxN * sb_kbx1xN).reshape(block_k, bn).astype(jnp.bfloat16)
+    return acc_MxN + _dot_f32(a_Mxk, b_kxN)
+
+  num_k_tiles = a_ref.shape[1] // block_k
+  out_ref[...] = lax.fori_loop(0, num_k_tiles, body, jnp.zeros((bm, bn), jnp.float32))
+
+
+def _scaled_kernel(a_ref, sa_ref, b_ref, sb_ref, out_ref, *, block_k: int, upcast: bool):
+  bm, bn = out_ref.shape
+
+  def body(t, acc_MxN):
+    k0 = pl.multiple_of(t * block_k, block_k)
+    a_Mxk = a_ref[:, pl.ds(k0, block_k)]
+    b_kxN = b_ref[pl.ds(k0, block_k), :]
+    if upcast:  # float8 products are exact in float32, so this changes nothing but the backend
+      a_Mxk, b_kxN = a_Mxk.astype(jnp.float32), b_kxN.astype(jnp.float32)
+    return acc_MxN + _dot_f32(a_Mxk, b_kxN)
+
+  num_k_tiles = a_ref.shape[1] // block_k
+  acc_MxN = lax.fori_loop(0, num_k_tiles, body, jnp.zeros((bm, bn), jnp.float32))
+  out_ref[...] = acc_MxN * sa_ref[...] * sb_ref[...]
+
+
+def _gemm_call(kernel, a_MpxKp, sa_Mpx_, b_KpxNp, sb__xNp, bm: int, bn: int, name: str, interpret: bool):
+  """Grid (Mp / bm, Np / bn); A/B as full-K row/column slabs of their tile, the kernel slices K."""
+  (mp, kp), np_ = a_MpxKp.shape, b_KpxNp.shape[1]
+  in_specs = [pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+              pl.BlockSpec((bm, sa_Mpx_.shape[1]), lambda i, j: (i, 0)),
+              pl.BlockSpec((kp, bn), lambda i, j: (0, j)),
+              pl.BlockSpec((sb__xNp.shape[0], bn), lambda i, j: (0, j))]
+  return pl.pallas_call(
+      kernel, grid=(mp // bm, np_ // bn), in_specs=in_specs,
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
+      interpret=interpret, name=name)(a_MpxKp, sa_Mpx_, b_KpxNp, sb__xNp)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
+def mx_gemm(a_elems_MxK, a_scales_MxKb, b_elems_KxN, b_scales_KbxN, *, block_m: int = 128,
+            block_n: int = 128, block_k: int = 128, interpret: bool = False):
+  """float32 M x N = mx.dequantize(A, axis=1) @ mx.dequantize(B, axis=0), MX scales along K."""
+  m, k, n = _check_operands("fp8_gemm.mx_gemm", a_elems_MxK, b_elems_KxN)
+  _check_block("block_m", block_m)
+  _check_block("block_n", block_n)
+  _check_block("block_k", block_k, mx.BLOCK_SIZE)
+  kb = mx.num_blocks(k)
+  for name, s, want in (("a_scales", a_scales_MxKb, (m, kb)), ("b_scales", b_scales_KbxN, (kb, n))):
+    if tuple(s.shape) != want:
+      raise ValueError(f"fp8_gemm.mx_gemm: {name} must be {want} for a_elems {tuple(a_elems_MxK.shape)}"
+                       f" and b_elems {tuple(b_elems_KxN.shape)} (one scale per 32 along K), got "
+                       f"{tuple(s.shape)}")
+    if jnp.dtype(s.dtype) != jnp.dtype(jnp.float8_e8m0fnu):
+      raise ValueError(f"fp8_gemm.mx_gemm: {name} must be float8_e8m0fnu, got {s.dtype}")
+  bm, bn = _tile(block_m, m, _MIN_TILE_MN), _tile(block_n, n, _MIN_TILE_MN)
+  bk = _tile(block_k, k, _MIN_TILE_K)
+  mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
+  kbp = kp // mx.BLOCK_SIZE
+  # Padded scales are the e8m0 byte 0 (2^-127) times zero elements: they add exact zeros, never NaN.
+  sa_MpxKbp = _pad2(lax.bitcast_convert_type(a_scales_MxKb, jnp.uint8), mp, kbp, 255)
+  sb_KbpxNp = _pad2(lax.bitcast_convert_type(b_scales_KbxN, jnp.uint8), kbp, np_, 0)
+  out_MpxNp = _gemm_call(
+      functools.partial(_mx_kernel, block_k=bk), _pad2(a_elems_MxK, mp, kp, 0), sa_MpxKbp,
+      _pad2(b_elems_KxN, kp, np_, 0), sb_KbpxNp, bm, bn, "fp8_mx_gemm", interpret)
+  return out_MpxNp[:m, :n]
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
+def scaled_gemm(a_elems_MxK, a_scale_Mx1, b_elems_KxN, b_scale_1xN, *, block_m: int = 128,
+                block_n: int = 128, block_k: int = 128, interpret: bool = False):
+  """float32 M x N = (A_e @ B_e) * a_scale * b_scale; scales row-wise (M x 1, 1 x N) or 1 x 1."""
+  m, k, n = _check_operands("fp8_gemm.scaled_gemm", a_elems_MxK, b_elems_KxN)
+  _check_block("block_m", block_m)
+  _check_block("block_n", block_n)
+  _check_block("block_k", block_k)
+  for name, s, want in (("a_scale", a_scale_Mx1, ((m, 1), (1, 1))),
+                        ("b_scale", b_scale_1xN, ((1, n), (1, 1)))):
+    if tuple(s.shape) not in want:
+      raise ValueError(f"fp8_gemm.scaled_gemm: {name} must be {want[0]} (row-wise) or (1, 1) "
+                       f"(tensor-wise) for a_elems {tuple(a_elems_MxK.shape)} and b_elems "
+                       f"{tuple(b_elems_KxN.shape)}, got {tuple(s.shape)}")
+    if jnp.dtype(s.dtype) != jnp.dtype(jnp.float32):
+      raise ValueError(f"fp8_gemm.scaled_gemm: {name} must be float32, got {s.dtype}")
+  bm, bn = _tile(block_m, m, _MIN_TILE_MN), _tile(block_n, n, _MIN_TILE_MN)
+  bk = _tile(block_k, k, _MIN_TILE_K)
+  mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
+  # A tensor-wise scale becomes a (tiny) vector so that one kernel serves both modes.
+  sa_Mpx1 = _pad2(jnp.broadcast_to(a_scale_Mx1, (m, 1)), mp, 1, 1.0)
+  sb_1xNp = _pad2(jnp.broadcast_to(b_scale_1xN, (1, n)), 1, np_, 1.0)
+  out_MpxNp = _gemm_call(
+      functools.partial(_scaled_kernel, block_k=bk, upcast=interpret), _pad2(a_elems_MxK, mp, kp, 0),
+      sa_Mpx1, _pad2(b_elems_KxN, kp, np_, 0), sb_1xNp, bm, bn, "fp8_scaled_gemm", interpret)
+  return out_MpxNp[:m, :n]

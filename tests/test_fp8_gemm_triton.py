@@ -1,0 +1,231 @@
+"""The FP8 GEMM Triton kernels, run by Triton's interpreter on CPU, against pallas_kernels.fp8_gemm.reference.
+
+Shapes are off the tile sizes in every dimension (ragged M, N and K tiles, one K off the 32-value MX
+block). Operand magnitudes vary by powers of two per row, column and MX block, so a scale applied to the
+wrong row, column or block is far outside the bounds.
+
+Error bounds (u = 2^-24, float32 unit roundoff). The float8 products are exact in float32 and MX
+dequantization is exact (bf16 too, for the normal-range values used here), so kernel and reference
+differ only in summation order: each is within (K - 1) u sum_k |a_mk b_kn| of the exact sum, hence
+|kernel - reference| <= 2 K u (|A| @ |B|). Row-wise scaling adds two roundings per side (the reference
+rounds a * sa and b * sb, the kernel acc * sa * sb): (K + 3) * 2^-23 (|A| @ |B|), A and B dequantized.
+
+Triton 3.9's interpreter decodes float8 in numpy with its own converter, which reads the E5M2
+subnormals 0x01 / 0x02 as 0 and 0x03 as 2^-15 inside tl.dot and tl.dot_scaled (and E4M3 NaN as 480,
+E5M2 Inf / NaN as finite in .to(float32)). GPUs decode them in hardware, so the operands here have
+their E5M2 subnormals flushed to zero (for kernel and reference alike); NaN reaches the kernels only
+through NaN scales, which they decode themselves.
+"""
+
+import os
+
+# Before triton is imported anywhere: triton.jit picks the interpreter when it decorates a kernel.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from gem_jax.precision import mx  # noqa: E402
+from pallas_kernels.fp8_gemm import reference  # noqa: E402
+from pallas_kernels.fp8_gemm import triton as fp8_triton  # noqa: E402
+
+_HAVE_TORCH = importlib.util.find_spec("torch") is not None
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+needs_interpreter = pytest.mark.skipif(
+    not (_HAVE_TORCH and _HAVE_TRITON),
+    reason="the Triton interpreter test needs `pip install torch==2.13.0 triton` (CI installs them)")
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+TILES = dict(block_m=32, block_n=32)
+
+
+def _interpreted_module():
+  """The kernel module with interpreted kernels (reloaded if someone imported it before the env)."""
+  from triton.runtime.interpreter import InterpretedFunction
+  if not isinstance(fp8_triton._scaled_gemm_kernel, InterpretedFunction):
+    importlib.reload(fp8_triton)
+  return fp8_triton
+
+
+def _spread(rng, shape, block_shape):
+  """Normal values times 2^e with e in [-6, 6] drawn per block of block_shape (edges cut off)."""
+  reps = [-(-s // b) for s, b in zip(shape, block_shape)]
+  exps = rng.integers(-6, 7, size=reps)
+  for axis, b in enumerate(block_shape):
+    exps = np.repeat(exps, b, axis=axis)
+  return (rng.normal(size=shape) * np.exp2(exps[:shape[0], :shape[1]])).astype(np.float32)
+
+
+def _bound(a_MxK, b_KxN, factor):
+  """factor * 2^-24 * (|A| @ |B|) in float64, from the dequantized (float32) operands."""
+  abs_dot = np.abs(np.asarray(a_MxK, np.float64)) @ np.abs(np.asarray(b_KxN, np.float64))
+  return factor * 2.0**-24 * abs_dot
+
+
+def _flush_e5m2_subnormals(x):
+  """x with every E5M2 subnormal replaced by a signed zero (see the module docstring); others as is."""
+  x = np.array(x)
+  if x.dtype != np.dtype(E5M2):
+    return x
+  bits = x.view(np.uint8)
+  subnormal = ((bits & 0x7C) == 0) & ((bits & 0x03) != 0)
+  bits[subnormal] &= 0x80
+  return x
+
+
+def _scaled_operands(m, k, n, row_wise, a_dtype, b_dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  # float8 via ml_dtypes (rounds to nearest)
+  a_MxK = _flush_e5m2_subnormals(np.asarray(_spread(rng, (m, k), (1, k)), a_dtype))
+  b_KxN = _flush_e5m2_subnormals(np.asarray(_spread(rng, (k, n), (k, 1)), b_dtype))
+  # Scales are not powers of two, so the kernel's and the reference's scaling round differently.
+  a_scale = np.exp2(rng.uniform(-4, 4, size=(m if row_wise else 1, 1))).astype(np.float32)
+  b_scale = np.exp2(rng.uniform(-4, 4, size=(1, n if row_wise else 1))).astype(np.float32)
+  return a_MxK, a_scale, b_KxN, b_scale
+
+
+@needs_interpreter
+@pytest.mark.parametrize("row_wise", [True, False], ids=["row_wise", "tensor_wise"])
+@pytest.mark.parametrize("m,k,n,block_k", [(72, 96, 40, 32), (33, 136, 65, 64)])
+def test_scaled_gemm_matches_reference(row_wise, m, k, n, block_k):
+  a, sa, b, sb = _scaled_operands(m, k, n, row_wise, E4M3, E4M3)
+  got = _interpreted_module().run_interpreted_scaled_gemm(a, sa, b, sb, block_k=block_k, **TILES)
+  want = np.asarray(reference.scaled_gemm(*(jnp.asarray(x) for x in (a, sa, b, sb))))
+  assert got.shape == (m, n) and got.dtype == np.float32
+  bound = _bound(a.astype(np.float32) * sa, b.astype(np.float32) * sb, 2 * (k + 3))
+  assert np.all(np.isfinite(got)) and np.all(np.abs(got - want) <= bound), \
+      f"max excess {np.max(np.abs(got - want) - bound):.3g}"
+
+
+@needs_interpreter
+def test_scaled_gemm_mixed_e4m3_e5m2():
+  a, sa, b, sb = _scaled_operands(40, 64, 48, True, E4M3, E5M2, seed=1)
+  got = _interpreted_module().run_interpreted_scaled_gemm(a, sa, b, sb, block_k=32, **TILES)
+  want = np.asarray(reference.scaled_gemm(*(jnp.asarray(x) for x in (a, sa, b, sb))))
+  assert np.all(np.abs(got - want) <= _bound(a.astype(np.float32) * sa, b.astype(np.float32) * sb, 134))
+
+
+def _mx_operands(m, k, n, a_dtype, b_dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  # Magnitudes change per 32-block along K, so every block gets its own scale byte.
+  a_elems, a_scales = mx.quantize(_spread(rng, (m, k), (1, 32)), axis=1, elem_dtype=a_dtype)
+  b_elems, b_scales = mx.quantize(_spread(rng, (k, n), (32, 1)), axis=0, elem_dtype=b_dtype)
+  return _flush_e5m2_subnormals(a_elems), a_scales, _flush_e5m2_subnormals(b_elems), b_scales
+
+
+# name: (M, K, N, A dtype, B dtype, block_k); K = 80 ends on a 16-wide partial block.
+MX_CASES = {
+    "e4m3": (72, 96, 40, E4M3, E4M3, 32),
+    "e5m2": (40, 128, 72, E5M2, E5M2, 64),
+    "mixed_partial_block": (33, 80, 65, E4M3, E5M2, 64),
+}
+MX_VARIANTS = {
+    "portable_bf16": dict(use_dot_scaled=False, dequant_dtype="bfloat16"),
+    "portable_f32": dict(use_dot_scaled=False, dequant_dtype="float32"),
+    "dot_scaled": dict(use_dot_scaled=True),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("variant", sorted(MX_VARIANTS))
+@pytest.mark.parametrize("case", sorted(MX_CASES))
+def test_mx_gemm_matches_reference(case, variant):
+  m, k, n, a_dtype, b_dtype, block_k = MX_CASES[case]
+  a, sa, b, sb = _mx_operands(m, k, n, a_dtype, b_dtype)
+  assert len(np.unique(np.asarray(sa).view(np.uint8))) > 5  # the case exercises many scales
+  got = _interpreted_module().run_interpreted_mx_gemm(a, sa, b, sb, block_k=block_k, **TILES,
+                                                      **MX_VARIANTS[variant])
+  want = np.asarray(reference.mx_gemm(a, sa, b, sb))
+  assert got.shape == (m, n) and got.dtype == np.float32
+  a_deq = mx.dequantize(a, sa, axis=1)
+  b_deq = mx.dequantize(b, sb, axis=0)
+  bound = _bound(a_deq, b_deq, 2 * k)
+  assert np.all(np.isfinite(got)) and np.all(np.abs(got - want) <= bound), \
+      f"max excess {np.max(np.abs(got - want) - bound):.3g}"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("variant", ["portable_bf16", "dot_scaled"])
+def test_mx_nan_scale_poisons_exactly_its_row_and_column(variant):
+  m, k, n, a_dtype, b_dtype, block_k = MX_CASES["mixed_partial_block"]
+  a, sa, b, sb = _mx_operands(m, k, n, a_dtype, b_dtype, seed=2)
+  sa_bits, sb_bits = np.array(np.asarray(sa).view(np.uint8)), np.array(np.asarray(sb).view(np.uint8))
+  sa_bits[5, 2] = mx.E8M0_NAN  # the partial last block of row 5
+  sb_bits[0, 40] = mx.E8M0_NAN  # the first block of column 40 (second column tile)
+  got = _interpreted_module().run_interpreted_mx_gemm(a, sa_bits, b, sb_bits, block_k=block_k, **TILES,
+                                                      **MX_VARIANTS[variant])
+  want = np.asarray(reference.mx_gemm(a, jax.lax.bitcast_convert_type(sa_bits, jnp.float8_e8m0fnu),
+                                      b, jax.lax.bitcast_convert_type(sb_bits, jnp.float8_e8m0fnu)))
+  poisoned = np.zeros((m, n), bool)
+  poisoned[5, :] = True
+  poisoned[:, 40] = True
+  np.testing.assert_array_equal(np.isnan(want), poisoned)  # the spec agrees on which outputs
+  np.testing.assert_array_equal(np.isnan(got), poisoned)
+  bound = _bound(mx.dequantize(a, sa, axis=1), mx.dequantize(b, sb, axis=0), 2 * k)
+  assert np.all(np.abs(got - want)[~poisoned] <= bound[~poisoned])
+
+
+@needs_interpreter
+def test_empty_dimensions_give_zeros():
+  a, sa, b, sb = _scaled_operands(16, 0, 8, True, E4M3, E4M3)
+  got = _interpreted_module().run_interpreted_scaled_gemm(a, sa, b, sb)
+  np.testing.assert_array_equal(got, np.zeros((16, 8), np.float32))
+
+
+@needs_interpreter
+def test_bad_arguments_are_named():
+  module = _interpreted_module()
+  a, sa, b, sb = _scaled_operands(40, 64, 48, True, E4M3, E4M3)
+  with pytest.raises(ValueError, match="a_scale must have shape"):
+    module.run_interpreted_scaled_gemm(a, sa[:8], b, sb)
+  with pytest.raises(ValueError, match="b_scale must be float32"):
+    module.run_interpreted_scaled_gemm(a, sa, b, sb.astype(np.float16))
+  with pytest.raises(ValueError, match="b_elems must be float8_e4m3fn or float8_e5m2"):
+    module.run_interpreted_scaled_gemm(a, sa, b.astype(np.float32), sb)
+  with pytest.raises(ValueError, match="K must agree"):
+    module.run_interpreted_scaled_gemm(a, sa, b[:32], sb)
+  with pytest.raises(ValueError, match="block_n must be a power of two"):
+    module.run_interpreted_scaled_gemm(a, sa, b, sb, block_n=48)
+  ma, msa, mb, msb = _mx_operands(40, 80, 48, E4M3, E4M3)
+  with pytest.raises(ValueError, match="block_k must be a power of two >= 32"):
+    module.run_interpreted_mx_gemm(ma, msa, mb, msb, block_k=16)
+  with pytest.raises(ValueError, match=r"b_scales must have shape \(3, 48\)"):
+    module.run_interpreted_mx_gemm(ma, msa, mb, np.asarray(msb)[:2])
+  with pytest.raises(ValueError, match="a_scales must be float8_e8m0fnu"):
+    module.run_interpreted_mx_gemm(ma, np.asarray(msa).astype(np.float32), mb, msb)
+  with pytest.raises(ValueError, match="dequant_dtype"):
+    module.run_interpreted_mx_gemm(ma, msa, mb, msb, dequant_dtype="float16")
+
+
+def test_available_reports_whether_triton_imports():
+  assert fp8_triton.AVAILABLE == _HAVE_TRITON
+
+
+def test_module_imports_without_triton(monkeypatch):
+  # A None entry in sys.modules makes `import triton` raise ImportError, as on a CPU-only install.
+  monkeypatch.setitem(sys.modules, "triton", None)
+  monkeypatch.setitem(sys.modules, "triton.language", None)
+  spec = importlib.util.spec_from_file_location("_fp8_triton_without_triton", fp8_triton.__file__)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  assert module.AVAILABLE is False
+  a, sa, b, sb = _scaled_operands(16, 32, 16, True, E4M3, E4M3)
+  with pytest.raises(ImportError, match="pip install torch==2.13.0 triton"):
+    module.run_interpreted_scaled_gemm(a, sa, b, sb)
+  with pytest.raises(ImportError, match="pip install torch==2.13.0 triton"):
+    module.run_interpreted_mx_gemm(*_mx_operands(16, 32, 16, E4M3, E4M3))
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error off GPU")
+def test_gpu_entries_raise_clearly_on_cpu():
+  a, sa, b, sb = (jnp.asarray(x) for x in _scaled_operands(16, 32, 16, True, E4M3, E4M3))
+  with pytest.raises(RuntimeError, match="scaled_gemm runs only on the JAX 'gpu' backend.*'cpu'"):
+    fp8_triton.scaled_gemm(a, sa, b, sb)
+  with pytest.raises(RuntimeError, match="mx_gemm runs only on the JAX 'gpu' backend.*'cpu'"):
+    fp8_triton.mx_gemm(*_mx_operands(16, 32, 16, E4M3, E4M3), use_dot_scaled=True)
