@@ -158,3 +158,21 @@ BAD_INPUTS = [
 def test_bad_inputs_raise_naming_the_argument(fn, args_fn, change, match):
   with pytest.raises(ValueError, match=match):
     getattr(fp8_pallas, fn)(**{**args_fn(), **change}, interpret=True)
+
+
+@pytest.mark.parametrize("fn, b_dtype", [("mx_gemm", E5M2), ("scaled_gemm", E4M3), ("scaled_gemm", E5M2)])
+def test_kernels_lower_to_triton(fn, b_dtype):
+  """Lowering for CUDA runs on CPU: the kernels must produce a Triton call (not Mosaic GPU) with the
+  default 128 tiles, including an E4M3 x E5M2 scaled GEMM (Pallas-Triton dots take one element type)."""
+  m, k, n = 256, 384, 256
+  if fn == "mx_gemm":
+    scales = (jax.ShapeDtypeStruct((m, k // 32), jnp.float8_e8m0fnu),
+              jax.ShapeDtypeStruct((k // 32, n), jnp.float8_e8m0fnu))
+  else:
+    scales = (jax.ShapeDtypeStruct((m, 1), jnp.float32), jax.ShapeDtypeStruct((1, 1), jnp.float32))
+  args = (jax.ShapeDtypeStruct((m, k), E4M3), scales[0], jax.ShapeDtypeStruct((k, n), b_dtype), scales[1])
+  triton_call = "__gpu$xla.gpu.triton"
+  exported = jax.export.export(
+      getattr(fp8_pallas, fn), platforms=["cuda"],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton_call)])(*args)
+  assert triton_call in exported.mlir_module()

@@ -1,7 +1,8 @@
 """Pallas kernels of the scaled FP8 GEMMs: C = dequant(A) @ dequant(B) in float32 (reference.py is the spec).
 
 Letters: M rows of A, K the contraction, N columns of B, Kb = ceil(K / 32) MX blocks along K; Mp, Kp,
-Np, Kbp the same padded to whole tiles; bm, bn, bk the tile sizes (block_m, block_n, block_k).
+Np, Kbp the same padded to whole tiles; bm, bn, bk the tile sizes (block_m, block_n, block_k); S the
+scale columns of A / rows of B as the kernels get them (Kbp for MX, 1 for row-/tensor-wise).
 Layouts (as reference.py):
 
   MX (block-scaled)  A: elems M x K (float8), scales M x Kb (float8_e8m0fnu)
@@ -40,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 from gem_jax.precision import mx
 
@@ -89,7 +91,9 @@ def _pad2(x, rows: int, cols: int, fill):
 
 
 def _dot_f32(a, b):
-  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  # HIGHEST: an f32 dot stays IEEE (no TF32); bf16/fp8 operands get Triton's plain dot.
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
 
 
 def _pow2_from_e8m0(bits_u8):
@@ -129,6 +133,8 @@ def _scaled_kernel(a_ref, sa_ref, b_ref, sb_ref, out_ref, *, block_k: int, upcas
     b_kxN = b_ref[pl.ds(k0, block_k), :]
     if upcast:  # float8 products are exact in float32, so this changes nothing but the backend
       a_Mxk, b_kxN = a_Mxk.astype(jnp.float32), b_kxN.astype(jnp.float32)
+    elif a_Mxk.dtype != b_kxN.dtype:  # Pallas-Triton's dot takes one element type; bf16 is exact
+      a_Mxk, b_kxN = a_Mxk.astype(jnp.bfloat16), b_kxN.astype(jnp.bfloat16)
     return acc_MxN + _dot_f32(a_Mxk, b_kxN)
 
   num_k_tiles = a_ref.shape[1] // block_k
@@ -136,18 +142,23 @@ def _scaled_kernel(a_ref, sa_ref, b_ref, sb_ref, out_ref, *, block_k: int, upcas
   out_ref[...] = acc_MxN * sa_ref[...] * sb_ref[...]
 
 
-def _gemm_call(kernel, a_MpxKp, sa_Mpx_, b_KpxNp, sb__xNp, bm: int, bn: int, name: str, interpret: bool):
-  """Grid (Mp / bm, Np / bn); A/B as full-K row/column slabs of their tile, the kernel slices K."""
+def _gemm_call(kernel, a_MpxKp, sa_MpxS, b_KpxNp, sb_SxNp, bm: int, bn: int, name: str, interpret: bool):
+  """Grid (Mp / bm, Np / bn); A, B and their scales as full-K slabs of the tile's rows / columns, which
+  the kernel slices along K (slab sizes need not be powers of two; every load is a bm/bn x bk tile)."""
   (mp, kp), np_ = a_MpxKp.shape, b_KpxNp.shape[1]
   in_specs = [pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-              pl.BlockSpec((bm, sa_Mpx_.shape[1]), lambda i, j: (i, 0)),
+              pl.BlockSpec((bm, sa_MpxS.shape[1]), lambda i, j: (i, 0)),
               pl.BlockSpec((kp, bn), lambda i, j: (0, j)),
-              pl.BlockSpec((sb__xNp.shape[0], bn), lambda i, j: (0, j))]
+              pl.BlockSpec((sb_SxNp.shape[0], bn), lambda i, j: (0, j))]
   return pl.pallas_call(
       kernel, grid=(mp // bm, np_ // bn), in_specs=in_specs,
       out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
       out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
-      interpret=interpret, name=name)(a_MpxKp, sa_Mpx_, b_KpxNp, sb__xNp)
+      # Triton by name: without it jax >= 0.10 lowers pallas_call to Mosaic GPU on NVIDIA.
+      # 8 warps from 128 x 128 tiles keep the f32 accumulator and dequantized tiles out of local memory.
+      compiler_params=pl_triton.CompilerParams(num_warps=8 if bm * bn >= 128 * 128 else 4,
+                                               num_stages=3),
+      interpret=interpret, name=name)(a_MpxKp, sa_MpxS, b_KpxNp, sb_SxNp)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
@@ -171,7 +182,7 @@ def mx_gemm(a_elems_MxK, a_scales_MxKb, b_elems_KxN, b_scales_KbxN, *, block_m: 
   mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
   kbp = kp // mx.BLOCK_SIZE
   # Padded scales are the e8m0 byte 0 (2^-127) times zero elements: they add exact zeros, never NaN.
-  sa_MpxKbp = _pad2(lax.bitcast_convert_type(a_scales_MxKb, jnp.uint8), mp, kbp, 255)
+  sa_MpxKbp = _pad2(lax.bitcast_convert_type(a_scales_MxKb, jnp.uint8), mp, kbp, 0)
   sb_KbpxNp = _pad2(lax.bitcast_convert_type(b_scales_KbxN, jnp.uint8), kbp, np_, 0)
   out_MpxNp = _gemm_call(
       functools.partial(_mx_kernel, block_k=bk), _pad2(a_elems_MxK, mp, kp, 0), sa_MpxKbp,

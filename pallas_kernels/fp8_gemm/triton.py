@@ -9,6 +9,7 @@ accumulator, with masked loads and stores for ragged edges:
                the sum, so they are applied once to the accumulator. fast_accum=False asks Hopper to
                promote the FP8 MMA's partial sums to float32 after every instruction
                (max_num_imprecise_acc=0); True is Triton's Hopper default (imprecise accumulation).
+               The interpreter ignores the flag (it always sums in float32).
   mx_gemm      OCP MX block scales (one E8M0 byte per 32 values along K).
                use_dot_scaled=True: tl.dot_scaled, native block-scaled MMA on Blackwell (sm_100); on
                Hopper Triton emulates it by upcasting to bf16. use_dot_scaled=False (portable): each
@@ -17,8 +18,12 @@ accumulator, with masked loads and stores for ragged edges:
                and flushing GPUs may lose bits) or in float32 with input_precision="ieee" (exact).
 
 Elements and E8M0 scales travel as uint8 bit patterns (bitcast outside, bitcast back to float8 inside),
-so the kernels do not depend on jax_triton's or torch's float8 support. Triton's interpreter does load
-float8 torch tensors and runs tl.dot_scaled (as a numpy dequantize-and-matmul); both paths are tested.
+so the kernels do not depend on jax_triton's or torch's float8 support. Triton 3.9's interpreter loads
+float8 and runs tl.dot_scaled, but its tl.dot multiplies bfloat16 operands as raw uint16 bits and it
+decodes E5M2 subnormals (in tl.dot, tl.dot_scaled) and E4M3 NaN (in tl.dot) wrongly; the run_interpreted_*
+entries swap in exact decoders (ml_dtypes) for those two steps while they run, as a GPU decodes in
+hardware. (Its .to(float32) also reads float8 Inf / NaN as finite; NaN reaches the portable dequantize
+only through a NaN scale, which the kernel decodes itself.)
 
 `import triton` is optional (AVAILABLE says whether it worked); jax_triton is imported only inside the
 GPU entries. The run_interpreted_* entries need TRITON_INTERPRET=1 set before this module is imported.
@@ -31,9 +36,13 @@ Letters: M rows of A and C, K the contraction, N columns of B and C, Kb = ceil(K
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from gem_jax.precision import mx
 
 try:
   import triton
@@ -44,9 +53,10 @@ except ImportError:  # CPU-only installs: the module still imports, the entries 
   AVAILABLE = False
 
 _INSTALL_HINT = "pip install torch==2.13.0 triton"
-MX_BLOCK = 32  # values per E8M0 scale (OCP MX v1.0)
 _FORMATS = {jnp.dtype(jnp.float8_e4m3fn): "e4m3", jnp.dtype(jnp.float8_e5m2): "e5m2"}
 _DEQUANT_DTYPES = ("bfloat16", "float32")
+_SCALE_DTYPES = (jnp.dtype(jnp.float8_e8m0fnu), jnp.dtype(jnp.uint8))
+_PASS_AS_IS = (np.dtype(np.uint8), np.dtype(np.float32))  # every other input is sent as uint8 bits
 
 
 if AVAILABLE:
@@ -104,7 +114,7 @@ if AVAILABLE:
                       K: tl.constexpr, KB: tl.constexpr, A_FMT: tl.constexpr, B_FMT: tl.constexpr,
                       DOT_SCALED: tl.constexpr, DEQUANT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    SB: tl.constexpr = BLOCK_K // 32  # scale blocks per K tile
+    SB: tl.constexpr = BLOCK_K // 32  # scale blocks (mx.BLOCK_SIZE values each) per K tile
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_m, in_n = offs_m < M, offs_n < N
@@ -142,70 +152,56 @@ if AVAILABLE:
           acc_MxN = tl.dot(a_deq_MxK, b_deq_KxN, acc_MxN, input_precision="ieee")
     tl.store(c_ptr + rows_m[:, None] * N + offs_n[None, :], acc_MxN, mask=in_m[:, None] & in_n[None, :])
 
+else:  # the entries raise before they would use a kernel
+  _scaled_gemm_kernel = _mx_gemm_kernel = None
 
-def _is_pow2(n: int) -> bool:
-  return n >= 1 and n & (n - 1) == 0
 
-
-def _check_operands(name, a_shape, a_dtype, b_shape, b_dtype, block_m, block_n, block_k, k_multiple):
-  """Shared operand and tile checks; returns (M, K, N, A format, B format)."""
-  for label, shape in (("a_elems", a_shape), ("b_elems", b_shape)):
-    if len(shape) != 2:
-      raise ValueError(f"{name}: {label} must be 2-D, got shape {tuple(shape)}")
-  formats = []
-  for label, dtype in (("a_elems", a_dtype), ("b_elems", b_dtype)):
-    if np.dtype(dtype) not in _FORMATS:
-      raise ValueError(f"{name}: {label} must be float8_e4m3fn or float8_e5m2, got {np.dtype(dtype)}")
-    formats.append(_FORMATS[np.dtype(dtype)])
-  (m, k), (k_b, n) = a_shape, b_shape
+def _check_operands(name, a, b, blocks, least_k):
+  """Checks shared by both GEMMs (anything with .shape and .dtype); returns (M, K, N, constexprs)."""
+  fmts = []
+  for label, x in (("a_elems", a), ("b_elems", b)):
+    if len(x.shape) != 2 or np.dtype(x.dtype) not in _FORMATS:
+      raise ValueError(f"{name}: {label} must be a 2-D float8_e4m3fn or float8_e5m2 array, got "
+                       f"{np.dtype(x.dtype)} {tuple(x.shape)}")
+    fmts.append(_FORMATS[np.dtype(x.dtype)])
+  (m, k), (k_b, n) = a.shape, b.shape
   if k != k_b:
     raise ValueError(f"{name}: a_elems is {m} x {k} but b_elems is {k_b} x {n} (K must agree)")
-  for label, block in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-    # tl.dot needs power-of-two tiles of at least 16; MX tiles hold whole 32-value blocks.
-    least = k_multiple if label == "block_k" else 16
-    if block < least or not _is_pow2(block):
+  for label, block in zip(("block_m", "block_n", "block_k"), blocks):
+    # tl.dot needs power-of-two tiles of at least 16; MX K tiles hold whole 32-value blocks.
+    least = least_k if label == "block_k" else 16
+    if block < least or block & (block - 1):
       raise ValueError(f"{name}: {label} must be a power of two >= {least}, got {block}")
-  return m, k, n, formats[0], formats[1]
+  return m, k, n, dict(A_FMT=fmts[0], B_FMT=fmts[1], BLOCK_M=blocks[0], BLOCK_N=blocks[1],
+                       BLOCK_K=blocks[2])
 
 
-def _check_scaled(a_shape, a_dtype, sa_shape, sa_dtype, b_shape, b_dtype, sb_shape, sb_dtype,
-                  block_m, block_n, block_k):
-  name = "scaled_gemm"
-  m, k, n, a_fmt, b_fmt = _check_operands(name, a_shape, a_dtype, b_shape, b_dtype, block_m, block_n,
-                                          block_k, 16)
-  for label, shape, dtype, want in (("a_scale", sa_shape, sa_dtype, ((m, 1), (1, 1))),
-                                    ("b_scale", sb_shape, sb_dtype, ((1, n), (1, 1)))):
-    if tuple(shape) not in want:
-      raise ValueError(f"{name}: {label} must have shape {want[0]} (row-wise) or (1, 1) (tensor-wise), "
-                       f"got {tuple(shape)}")
-    if np.dtype(dtype) != np.float32:
-      raise ValueError(f"{name}: {label} must be float32, got {np.dtype(dtype)}")
-  return m, k, n, dict(A_FMT=a_fmt, B_FMT=b_fmt, ROW_A=tuple(sa_shape) == (m, 1) and m != 1,
-                       COL_B=tuple(sb_shape) == (1, n) and n != 1, BLOCK_M=block_m, BLOCK_N=block_n,
-                       BLOCK_K=block_k)
+def _check_scaled(a, sa, b, sb, blocks, fast_accum):
+  m, k, n, meta = _check_operands("scaled_gemm", a, b, blocks, 16)
+  for label, x, row_wise in (("a_scale", sa, (m, 1)), ("b_scale", sb, (1, n))):
+    if tuple(x.shape) not in (row_wise, (1, 1)) or np.dtype(x.dtype) != np.float32:
+      raise ValueError(f"scaled_gemm: {label} must be float32 of shape {row_wise} (row-wise) or (1, 1) "
+                       f"(tensor-wise), got {np.dtype(x.dtype)} {tuple(x.shape)}")
+  return m, n, dict(meta, K=k, ROW_A=tuple(sa.shape) == (m, 1) and m != 1,
+                    COL_B=tuple(sb.shape) == (1, n) and n != 1, FAST_ACCUM=bool(fast_accum))
 
 
-def _check_mx(a_shape, a_dtype, sa_shape, sa_dtype, b_shape, b_dtype, sb_shape, sb_dtype, block_m,
-              block_n, block_k, use_dot_scaled, dequant_dtype):
-  name = "mx_gemm"
-  m, k, n, a_fmt, b_fmt = _check_operands(name, a_shape, a_dtype, b_shape, b_dtype, block_m, block_n,
-                                          block_k, MX_BLOCK)
-  kb = -(-k // MX_BLOCK)
-  for label, shape, dtype, want in (("a_scales", sa_shape, sa_dtype, (m, kb)),
-                                    ("b_scales", sb_shape, sb_dtype, (kb, n))):
-    if tuple(shape) != want:
-      raise ValueError(f"{name}: {label} must have shape {want} (Kb = ceil(K / 32) = {kb}), "
-                       f"got {tuple(shape)}")
-    if np.dtype(dtype) not in (np.dtype(jnp.float8_e8m0fnu), np.dtype(np.uint8)):
-      raise ValueError(f"{name}: {label} must be float8_e8m0fnu (or its uint8 bits), got {np.dtype(dtype)}")
+def _check_mx(a, sa, b, sb, blocks, use_dot_scaled, dequant_dtype):
+  # The kernel's K tiles are whole 32-value blocks (the literal 32 there is mx.BLOCK_SIZE).
+  m, k, n, meta = _check_operands("mx_gemm", a, b, blocks, mx.BLOCK_SIZE)
+  kb = mx.num_blocks(k)
+  for label, x, want in (("a_scales", sa, (m, kb)), ("b_scales", sb, (kb, n))):
+    if tuple(x.shape) != want or np.dtype(x.dtype) not in _SCALE_DTYPES:
+      raise ValueError(f"mx_gemm: {label} must be float8_e8m0fnu (or its uint8 bits) of shape {want} "
+                       f"(Kb = ceil(K / 32) = {kb}), got {np.dtype(x.dtype)} {tuple(x.shape)}")
   if dequant_dtype not in _DEQUANT_DTYPES:
-    raise ValueError(f"{name}: dequant_dtype must be one of {_DEQUANT_DTYPES}, got {dequant_dtype!r}")
-  return m, k, n, dict(KB=kb, A_FMT=a_fmt, B_FMT=b_fmt, DOT_SCALED=bool(use_dot_scaled),
-                       DEQUANT_BF16=dequant_dtype == "bfloat16", BLOCK_M=block_m, BLOCK_N=block_n,
-                       BLOCK_K=block_k)
+    raise ValueError(f"mx_gemm: dequant_dtype must be one of {_DEQUANT_DTYPES}, got {dequant_dtype!r}")
+  return m, n, dict(meta, K=k, KB=kb, DOT_SCALED=bool(use_dot_scaled),
+                    DEQUANT_BF16=dequant_dtype == "bfloat16")
 
 
-def _require_gpu(name: str):
+def _launch(name, kernel, args, m, n, meta):
+  """The kernel through jax_triton, after checking that this process can run it."""
   backend = jax.default_backend()
   if backend != "gpu":
     raise RuntimeError(f"{name} runs only on the JAX 'gpu' backend (jax_triton), but the default backend "
@@ -213,97 +209,101 @@ def _require_gpu(name: str):
                        f"run_interpreted_{name} to check the kernel on CPU")
   if not AVAILABLE:
     raise ImportError(f"{name} needs triton and jax_triton ({_INSTALL_HINT} jax-triton)")
-  if not isinstance(_scaled_gemm_kernel, triton.JITFunction):
+  if not isinstance(kernel, triton.JITFunction):
     raise RuntimeError(f"{name}: TRITON_INTERPRET=1 was set when this module was imported, so the "
                        f"kernels are interpreter-only; unset it to run on GPU")
-
-
-def _launch(kernel, args, m, n, meta):
+  if m == 0 or n == 0 or meta["K"] == 0:
+    return jnp.zeros((m, n), jnp.float32)
   import jax_triton  # lazily: only the GPU path needs it
 
+  args = [x if np.dtype(x.dtype) in _PASS_AS_IS else jax.lax.bitcast_convert_type(x, jnp.uint8)
+          for x in args]
   big_tile = meta["BLOCK_M"] * meta["BLOCK_N"] >= 128 * 128
   return jax_triton.triton_call(
-      *args, kernel=kernel, out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+      *(x.reshape(-1) for x in args), kernel=kernel, out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
       grid=(-(-m // meta["BLOCK_M"]), -(-n // meta["BLOCK_N"])), num_warps=8 if big_tile else 4,
       num_stages=3, M=m, N=n, **meta)
-
-
-def _bits_u8(x):
-  return x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
 
 
 def scaled_gemm(a_elems_MxK, a_scale_Mx1, b_elems_KxN, b_scale_1xN, *, block_m: int = 128,
                 block_n: int = 128, block_k: int = 64, fast_accum: bool = False):
   """reference.scaled_gemm as one Triton kernel (GPU only): float32 M x N."""
-  m, k, n, meta = _check_scaled(a_elems_MxK.shape, a_elems_MxK.dtype, a_scale_Mx1.shape,
-                                a_scale_Mx1.dtype, b_elems_KxN.shape, b_elems_KxN.dtype,
-                                b_scale_1xN.shape, b_scale_1xN.dtype, block_m, block_n, block_k)
-  _require_gpu("scaled_gemm")
-  if m == 0 or n == 0 or k == 0:
-    return jnp.zeros((m, n), jnp.float32)
-  args = (_bits_u8(a_elems_MxK), a_scale_Mx1.reshape(-1), _bits_u8(b_elems_KxN), b_scale_1xN.reshape(-1))
-  return _launch(_scaled_gemm_kernel, args, m, n, dict(meta, K=k, FAST_ACCUM=bool(fast_accum)))
+  args = (a_elems_MxK, a_scale_Mx1, b_elems_KxN, b_scale_1xN)
+  m, n, meta = _check_scaled(*args, (block_m, block_n, block_k), fast_accum)
+  return _launch("scaled_gemm", _scaled_gemm_kernel, args, m, n, meta)
 
 
 def mx_gemm(a_elems_MxK, a_scales_MxKb, b_elems_KxN, b_scales_KbxN, *, use_dot_scaled: bool = False,
             dequant_dtype: str = "bfloat16", block_m: int = 128, block_n: int = 128, block_k: int = 128):
   """reference.mx_gemm as one Triton kernel (GPU only): float32 M x N. Scales: float8_e8m0fnu or uint8."""
-  m, k, n, meta = _check_mx(a_elems_MxK.shape, a_elems_MxK.dtype, a_scales_MxKb.shape,
-                            a_scales_MxKb.dtype, b_elems_KxN.shape, b_elems_KxN.dtype,
-                            b_scales_KbxN.shape, b_scales_KbxN.dtype, block_m, block_n, block_k,
-                            use_dot_scaled, dequant_dtype)
-  _require_gpu("mx_gemm")
-  if m == 0 or n == 0 or k == 0:
-    return jnp.zeros((m, n), jnp.float32)
-  args = tuple(_bits_u8(x) for x in (a_elems_MxK, a_scales_MxKb, b_elems_KxN, b_scales_KbxN))
-  return _launch(_mx_gemm_kernel, args, m, n, dict(meta, K=k))
+  args = (a_elems_MxK, a_scales_MxKb, b_elems_KxN, b_scales_KbxN)
+  m, n, meta = _check_mx(*args, (block_m, block_n, block_k), use_dot_scaled, dequant_dtype)
+  return _launch("mx_gemm", _mx_gemm_kernel, args, m, n, meta)
 
 
-def _interpreter(name: str):
-  """torch, after checking that the kernels were decorated in interpreter mode."""
+@contextlib.contextmanager
+def _exact_interpreter_decoding():
+  """Patches the interpreter's bf16 / float8 decoding in tl.dot and tl.dot_scaled (module docstring)."""
+  import ml_dtypes
+  from triton.runtime import interpreter
+
+  as_dtype = {tl.bfloat16: ml_dtypes.bfloat16, tl.float8e4nv: ml_dtypes.float8_e4m3fn,
+              tl.float8e5: ml_dtypes.float8_e5m2}
+
+  def to_f32(h):
+    return interpreter.TensorHandle(h.data.view(as_dtype[h.dtype]).astype(np.float32), tl.float32)
+
+  builder, dot = interpreter.InterpreterBuilder, interpreter.InterpreterBuilder.create_dot
+  mx_decode = interpreter._mxfp_value_handle_to_float32
+
+  def create_dot(self, a, b, *rest):
+    a, b = (to_f32(h) if h.dtype in as_dtype else h for h in (a, b))
+    return dot(self, a, b, *rest)
+
+  def mx_value_to_f32(h):
+    return to_f32(h).data if h.dtype in as_dtype else mx_decode(h)
+
+  builder.create_dot, interpreter._mxfp_value_handle_to_float32 = create_dot, mx_value_to_f32
+  try:
+    yield
+  finally:
+    builder.create_dot, interpreter._mxfp_value_handle_to_float32 = dot, mx_decode
+
+
+def _run(name, kernel, args, m, n, meta):
+  """The kernel through the interpreter on torch CPU tensors (float8 and E8M0 as uint8 bits)."""
   if not AVAILABLE:
     raise ImportError(f"{name} needs triton and torch ({_INSTALL_HINT})")
   from triton.runtime.interpreter import InterpretedFunction
-  if not isinstance(_scaled_gemm_kernel, InterpretedFunction):
+  if not isinstance(kernel, InterpretedFunction):
     raise RuntimeError(f"{name}: set TRITON_INTERPRET=1 before importing pallas_kernels.fp8_gemm.triton "
                        f"(triton.jit picks the interpreter then)")
   import torch  # lazily: only the interpreter path needs it
-  return torch
 
-
-def _run(torch, kernel, arrays, m, n, meta):
-  # Copies: torch.from_numpy wants writable arrays (jax-backed ones are read-only). NaN-filled output
-  # so that a tile the kernel forgot to store cannot pass as a result.
+  # NaN-filled, so that a tile the kernel forgot to store cannot pass as a result.
   out = torch.full((m, n), float("nan"), dtype=torch.float32)
   if m == 0 or n == 0 or meta["K"] == 0:
     return out.zero_().numpy()
-  tensors = [torch.from_numpy(np.array(x, order="C").reshape(-1)) for x in arrays]
-  kernel[(-(-m // meta["BLOCK_M"]), -(-n // meta["BLOCK_N"]))](*tensors, out, M=m, N=n, **meta)
+  # Copies: torch.from_numpy wants writable arrays (jax-backed ones are read-only).
+  bits = [x if x.dtype in _PASS_AS_IS else x.view(np.uint8) for x in map(np.array, args)]
+  with _exact_interpreter_decoding():
+    kernel[(-(-m // meta["BLOCK_M"]), -(-n // meta["BLOCK_N"]))](
+        *(torch.from_numpy(x.reshape(-1)) for x in bits), out, M=m, N=n, **meta)
   return out.numpy()
-
-
-def _np_bits(x):
-  x = np.asarray(x)
-  return x if x.dtype == np.uint8 else np.ascontiguousarray(x).view(np.uint8)
 
 
 def run_interpreted_scaled_gemm(a_elems_MxK, a_scale_Mx1, b_elems_KxN, b_scale_1xN, *, block_m: int = 128,
                                 block_n: int = 128, block_k: int = 64, fast_accum: bool = False):
   """The scaled_gemm kernel through Triton's interpreter on torch CPU tensors; numpy in, numpy out."""
-  torch = _interpreter("run_interpreted_scaled_gemm")
-  a, sa, b, sb = (np.asarray(x) for x in (a_elems_MxK, a_scale_Mx1, b_elems_KxN, b_scale_1xN))
-  m, k, n, meta = _check_scaled(a.shape, a.dtype, sa.shape, sa.dtype, b.shape, b.dtype, sb.shape,
-                                sb.dtype, block_m, block_n, block_k)
-  return _run(torch, _scaled_gemm_kernel, (_np_bits(a), sa, _np_bits(b), sb), m, n,
-              dict(meta, K=k, FAST_ACCUM=bool(fast_accum)))
+  args = tuple(np.asarray(x) for x in (a_elems_MxK, a_scale_Mx1, b_elems_KxN, b_scale_1xN))
+  m, n, meta = _check_scaled(*args, (block_m, block_n, block_k), fast_accum)
+  return _run("run_interpreted_scaled_gemm", _scaled_gemm_kernel, args, m, n, meta)
 
 
 def run_interpreted_mx_gemm(a_elems_MxK, a_scales_MxKb, b_elems_KxN, b_scales_KbxN, *,
                             use_dot_scaled: bool = False, dequant_dtype: str = "bfloat16",
                             block_m: int = 128, block_n: int = 128, block_k: int = 128):
   """The mx_gemm kernel through Triton's interpreter on torch CPU tensors; numpy in, numpy out."""
-  torch = _interpreter("run_interpreted_mx_gemm")
-  a, sa, b, sb = (np.asarray(x) for x in (a_elems_MxK, a_scales_MxKb, b_elems_KxN, b_scales_KbxN))
-  m, k, n, meta = _check_mx(a.shape, a.dtype, sa.shape, sa.dtype, b.shape, b.dtype, sb.shape, sb.dtype,
-                            block_m, block_n, block_k, use_dot_scaled, dequant_dtype)
-  return _run(torch, _mx_gemm_kernel, tuple(_np_bits(x) for x in (a, sa, b, sb)), m, n, dict(meta, K=k))
+  args = tuple(np.asarray(x) for x in (a_elems_MxK, a_scales_MxKb, b_elems_KxN, b_scales_KbxN))
+  m, n, meta = _check_mx(*args, (block_m, block_n, block_k), use_dot_scaled, dequant_dtype)
+  return _run("run_interpreted_mx_gemm", _mx_gemm_kernel, args, m, n, meta)
