@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import jax.numpy as jnp
 
+from gem_jax.precision.policy import PrecisionConfig
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -53,6 +55,7 @@ class ModelConfig:
   tower_hidden: int = 128     # per-domain tower width
   compute_dtype: str = "float32"
   param_dtype: str = "float32"
+  precision: PrecisionConfig = PrecisionConfig()   # per-layer FP8 policy (gem_jax/precision/policy.py)
 
   def __post_init__(self):
     if len(self.hstu.keep_last) != self.num_layers:

@@ -38,6 +38,7 @@ from gem_jax.model.heads import MultiDomainHeads
 from gem_jax.model.hstu import HSTULayer
 from gem_jax.model.interformer import NonSequenceSummary, SequenceSummary, num_summary
 from gem_jax.model.wukong import WukongLayer
+from gem_jax.precision import policy
 
 
 @jax.tree_util.register_dataclass
@@ -104,6 +105,7 @@ class GEM(nnx.Module):
       num_state = cfg.wukong.fm_outputs + cfg.wukong.lcb_outputs
     self.layers = nnx.List(layers)
     self.heads = MultiDomainHeads((num_state + num_summary(cfg)) * e + d, spec, cfg, rngs=rngs)
+    policy.apply(self, cfg.precision)
 
   def embed(self, batch: Batch) -> GEMInputs:
     """Every embedding lookup of the batch (the sparse part of the model)."""

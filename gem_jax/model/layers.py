@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gem_jax.model.config import ModelConfig
+from gem_jax.precision import fp8, policy
 
 
 def sharded(init, names: Sequence[str | None]):
@@ -22,7 +23,8 @@ def sharded(init, names: Sequence[str | None]):
 
 
 class Dense(nnx.Linear):
-  """nnx.Linear in the config's dtypes: f32 accumulation, output cast back to the compute dtype.
+  """nnx.Linear in the config's dtypes: f32 accumulation, output cast back to the compute dtype; under a
+  precision policy (gem_jax/precision/policy.py) its matmul is the FP8 dot_general of its recipe.
 
   `names`: logical axes of the (in, out) kernel, e.g. ("embed", "mlp"); the bias takes the out name.
   """
@@ -34,9 +36,21 @@ class Dense(nnx.Linear):
                      param_dtype=cfg.params_dtype, preferred_element_type=jnp.float32,
                      kernel_init=sharded(kernel_init, names),
                      bias_init=sharded(nnx.initializers.zeros_init(), names[1:]), rngs=rngs)
+    # Set by gem_jax.precision.policy.apply once the whole model is built (the site is the module path).
+    self.site = ""
+    self.recipe: str | None = None
+    self.fp8_impl = "auto"
 
   def __call__(self, x):
-    return super().__call__(x).astype(self.dtype)
+    if self.recipe is None:
+      y = super().__call__(x)
+    else:
+      x = x.astype(self.dtype)
+      y = fp8.dot_general(x, self.kernel[...].astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())),
+                          recipe=self.recipe, impl=self.fp8_impl)
+      if self.bias is not None:
+        y = y + self.bias[...].astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
+    return policy.intercept(self.site, x, y).astype(self.dtype)
 
 
 class LayerNorm(nnx.LayerNorm):

@@ -1,0 +1,54 @@
+"""experiments/fp8_probe.py and experiments/fp8_parity.py run end to end on the tiny config.
+
+The parity numbers themselves (the 0.5% NE criterion) come from `fp8_parity.py --quick`, which takes
+minutes; here a few tiny steps check that every policy trains and every reported field is filled.
+"""
+
+import importlib.util
+import json
+import math
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load(name):
+  spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.slow
+def test_probe_script_writes_rows_and_a_usable_proposal(tmp_path, capsys):
+  out = tmp_path / "probe.json"
+  assert load("fp8_probe").main(["--config", "tiny", "--batches", "1", "--sites", "layers.0.hstu.*",
+                                 "--out", str(out)]) == 0
+  data = json.loads(out.read_text())
+  assert {r["site"] for r in data["sites"]} == {"layers.0.hstu.uvqk", "layers.0.hstu.out"}
+  for r in data["sites"]:
+    assert all(math.isfinite(v) for q in r["snr_db"].values() for v in q.values())
+  assert set(data["proposed"]) == {"layers.0.hstu.uvqk", "layers.0.hstu.out"}
+  assert "model.precision.rules=" in data["set_flag"]
+  assert "proposed at >= 25.0 dB" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_parity_script_trains_every_policy_and_reports(tmp_path):
+  out = tmp_path / "parity.json"
+  assert load("fp8_parity").main(["--config", "tiny", "--policies", "bf16,fp8", "--set", "train.steps=6",
+                                  "--set", "train.warmup_steps=1", "--set", "train.eval_every=100",
+                                  "--set", "model.precision.min_dim=16", "--memory", "--out", str(out)]) == 0
+  data = json.loads(out.read_text())
+  assert data["baseline"] == "bf16" and set(data["policies"]) == {"bf16", "fp8"}
+  for name, r in data["policies"].items():
+    assert set(r["rel_ne_gap"]) == {"click", "conversion"}
+    # The tiny eval set may hold no conversion at all (NE undefined); click always has labels.
+    assert math.isfinite(r["tasks"]["click"]["eval_ne"]) and math.isfinite(r["rel_ne_gap"]["click"])
+    assert r["step_memory_bytes"]["temp_size_in_bytes"] > 0
+    assert math.isclose(sum(r["flop_share"].values()), 1.0)
+  assert data["policies"]["bf16"]["rel_ne_gap"]["click"] == 0.0
+  assert data["policies"]["fp8"]["flop_share"]["mxfp8_rceil"] > 0.3
+  assert pathlib.Path(data["png"]).stat().st_size > 1000
