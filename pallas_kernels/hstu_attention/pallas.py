@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.hstu_attention import masks
 
@@ -151,8 +151,8 @@ def _load_rows(ref, start, first, size: int, n_in):
 
 
 def _store_rows(ref, start, first, value, valid):
-  plgpu.store(ref.at[pl.ds(start + first, value.shape[0]), :], value.astype(ref.dtype),
-              mask=valid & jnp.ones(value.shape, jnp.bool_))
+  pl_triton.store(ref.at[pl.ds(start + first, value.shape[0]), :], value.astype(ref.dtype),
+                  mask=valid & jnp.ones(value.shape, jnp.bool_))
 
 
 def _split_refs(refs, num_inputs: int, has_bias: bool):
@@ -267,6 +267,19 @@ def _dkv_kernel(offsets_ref, targets_ref, *refs, s: HSTUStatic):
       out_refs[2][...] = dbias_G
 
 
+def _compiler_params(s: HSTUStatic, num_stages: int):
+  """Pallas-Triton by name: without compiler params jax >= 0.10 lowers pallas_call to Mosaic GPU on
+  NVIDIA, which these kernels (Triton masked stores, tiles at dynamic row offsets) were not written for
+  and which rejects them (e.g. the 16-byte offsets block). Interpret mode ignores the params.
+
+  8 warps from 128 x 64 tiles keep the f32 Q x K logits and the accumulators out of local memory. The
+  forward streams only k/v tiles through its loop (3 stages); the backward loops also hold a second pair
+  of tiles and two accumulators, so they take 2 to leave shared memory for them.
+  """
+  return pl_triton.CompilerParams(num_warps=8 if s.block_q * s.block_k >= 128 * 64 else 4,
+                                  num_stages=num_stages)
+
+
 def _slab_spec(x_shape):
   return pl.BlockSpec((x_shape[0], None, x_shape[2]), lambda b, h, i: (0, h, 0))
 
@@ -296,7 +309,8 @@ def hstu_attention_fwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, offsets_Bp, targets
       lambda *refs: _fwd_kernel(*refs, s=s), grid=grid, in_specs=specs,
       out_specs=_slab_spec(v_TpxHxDv.shape),
       out_shape=jax.ShapeDtypeStruct(v_TpxHxDv.shape, v_TpxHxDv.dtype),
-      interpret=interpret, name="hstu_attention_fwd")(*operands)
+      compiler_params=_compiler_params(s, num_stages=3), interpret=interpret,
+      name="hstu_attention_fwd")(*operands)
 
 
 def hstu_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, offsets_Bp, targets_Bp,
@@ -313,7 +327,8 @@ def hstu_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, offsets
       grid=(num_rows, num_heads, _cdiv(s.max_seq_len, s.block_q)), in_specs=specs,
       out_specs=_slab_spec(q_TpxHxD.shape),
       out_shape=jax.ShapeDtypeStruct(q_TpxHxD.shape, q_TpxHxD.dtype),
-      interpret=interpret, name="hstu_attention_dq")(*operands)
+      compiler_params=_compiler_params(s, num_stages=2), interpret=interpret,
+      name="hstu_attention_dq")(*operands)
 
   num_kb = _cdiv(s.max_seq_len, s.block_k)
   out_specs = [_slab_spec(k_TpxHxD.shape), _slab_spec(v_TpxHxDv.shape)]
@@ -325,7 +340,7 @@ def hstu_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, offsets
     out_shape.append(jax.ShapeDtypeStruct((num_rows, num_heads, num_kb, num_seg), jnp.float32))
   outs = pl.pallas_call(
       lambda *refs: _dkv_kernel(*refs, s=s), grid=(num_rows, num_heads, num_kb), in_specs=specs,
-      out_specs=out_specs, out_shape=out_shape, interpret=interpret,
-      name="hstu_attention_dkv")(*operands)
+      out_specs=out_specs, out_shape=out_shape, compiler_params=_compiler_params(s, num_stages=2),
+      interpret=interpret, name="hstu_attention_dkv")(*operands)
   dbias_HxG = outs[2].sum(axis=(0, 2))[:, :len(s.segments)] if s.segments else None
   return dq_TpxHxD, outs[0], outs[1], dbias_HxG

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.hstu_attention import api as hstu_api
 from pallas_kernels.hstu_attention import pallas as hp
@@ -84,7 +84,7 @@ def _fwd_kernel(offsets_ref, targets_ref, q_ref, k_ref, v_ref, out_ref, lse_ref,
     l_Qx1 = jnp.where(l_Qx1 > 0, l_Qx1, 1.0)
     hp._store_rows(out_ref, start, q0, acc_QxDv / l_Qx1, valid_Qx1)
     lse_Qx1 = m_Qx1 + jnp.log(l_Qx1)
-    plgpu.store(lse_ref.at[pl.ds(start + q0, s.block_q)], lse_Qx1[:, 0], mask=valid_Qx1[:, 0])
+    pl_triton.store(lse_ref.at[pl.ds(start + q0, s.block_q)], lse_Qx1[:, 0], mask=valid_Qx1[:, 0])
 
 
 def _probs_and_dlogits(q_QxD, k_KxD, v_KxDv, do_QxDv, lse_Qx1, delta_Qx1, i_Qx1, j_1xK, n_in, max_pos, s):
@@ -167,7 +167,8 @@ def softmax_attention_fwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, offsets_Bp, targ
       out_specs=[hp._slab_spec(v_TpxHxDv.shape), _stat_spec(lse_shape)],
       out_shape=[jax.ShapeDtypeStruct(v_TpxHxDv.shape, v_TpxHxDv.dtype),
                  jax.ShapeDtypeStruct(lse_shape, jnp.float32)],
-      interpret=interpret, name="jagged_softmax_attention_fwd")(*operands)
+      compiler_params=hp._compiler_params(s, num_stages=3), interpret=interpret,
+      name="jagged_softmax_attention_fwd")(*operands)
 
 
 def softmax_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, lse_HxTp, delta_HxTp, offsets_Bp,
@@ -183,14 +184,16 @@ def softmax_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, lse_
       grid=(num_rows, num_heads, hp._cdiv(s.max_seq_len, s.block_q)), in_specs=specs,
       out_specs=hp._slab_spec(q_TpxHxD.shape),
       out_shape=jax.ShapeDtypeStruct(q_TpxHxD.shape, q_TpxHxD.dtype),
-      interpret=interpret, name="jagged_softmax_attention_dq")(*operands)
+      compiler_params=hp._compiler_params(s, num_stages=2), interpret=interpret,
+      name="jagged_softmax_attention_dq")(*operands)
   dk_TpxHxD, dv_TpxHxDv = pl.pallas_call(
       functools.partial(_dkv_kernel, s=s),
       grid=(num_rows, num_heads, hp._cdiv(s.max_seq_len, s.block_k)), in_specs=specs,
       out_specs=[hp._slab_spec(k_TpxHxD.shape), hp._slab_spec(v_TpxHxDv.shape)],
       out_shape=[jax.ShapeDtypeStruct(k_TpxHxD.shape, k_TpxHxD.dtype),
                  jax.ShapeDtypeStruct(v_TpxHxDv.shape, v_TpxHxDv.dtype)],
-      interpret=interpret, name="jagged_softmax_attention_dkv")(*operands)
+      compiler_params=hp._compiler_params(s, num_stages=2), interpret=interpret,
+      name="jagged_softmax_attention_dkv")(*operands)
   return dq_TpxHxD, dk_TpxHxD, dv_TpxHxDv
 
 
