@@ -32,7 +32,9 @@ def test_probe_script_writes_rows_and_a_usable_proposal(tmp_path, capsys):
     assert all(math.isfinite(v) for q in r["snr_db"].values() for v in q.values())
   assert set(data["proposed"]) == {"layers.0.hstu.uvqk", "layers.0.hstu.out"}
   assert "model.precision.rules=" in data["set_flag"]
-  assert "proposed at >= 25.0 dB" in capsys.readouterr().out
+  printed = capsys.readouterr().out
+  assert "every site's y, dx, dw >= 25.0 dB" in printed and "end-to-end proposal" in printed
+  assert data["end_to_end"]["proposed"]["grad_snr_db"] >= 19.0
 
 
 @pytest.mark.slow

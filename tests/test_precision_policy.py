@@ -166,3 +166,27 @@ def test_snr_db_edge_cases():
   assert probe.snr_db(0.0, 1.0) == float("-inf")
   assert probe.snr_db(100.0, 1.0) == pytest.approx(20.0)
   assert json.dumps(probe.snr_db(1.0, 0.0)) == "Infinity"
+
+
+def test_end_to_end_probe_switches_sites_at_run_time(tiny):
+  cfg, batch = tiny
+  spec = cfg.data.spec
+  model = GEM(spec, cfg.model, rngs=nnx.Rngs(0))
+  e2e = probe.end_to_end(model, [batch], spec, "mxfp8_rceil",
+                         sets={"nothing": [], "uvqk": ["layers.0.hstu.uvqk"]})
+  singles = {s: r["grad_snr_db"] for s, r in e2e["sites"].items()}
+  assert set(singles) == {s for s, _ in policy.dense_sites(model)}
+  assert e2e["sets"]["nothing"]["grad_snr_db"] == float("inf")       # nothing swapped: identical grads
+  assert e2e["sets"]["uvqk"]["grad_snr_db"] == singles["layers.0.hstu.uvqk"]
+  assert all(5.0 < v < 60.0 for v in singles.values())
+  assert e2e["all"]["grad_snr_db"] < min(singles.values())           # noise adds up
+  # The greedy proposal's prediction (noise powers add) holds when measured.
+  flops = {s: 1.0 for s in singles}
+  target = sorted(singles.values())[len(singles) // 2] - 3.0
+  chosen = probe.propose_end_to_end(e2e, flops, target)
+  predicted = -10 * np.log10(sum(10 ** (-singles[s] / 10) for s in chosen))
+  assert chosen and predicted >= target
+  measured = probe.end_to_end(model, [batch], spec, "mxfp8_rceil", sets={"p": chosen}, singles=False)
+  assert abs(measured["sets"]["p"]["grad_snr_db"] - predicted) < 2.0
+  # The model's own recipes are untouched.
+  assert {d.recipe for _, d in policy.dense_sites(model)} == {None}

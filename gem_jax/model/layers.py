@@ -41,16 +41,19 @@ class Dense(nnx.Linear):
     self.recipe: str | None = None
     self.fp8_impl = "auto"
 
+  def _matmul(self, x, recipe: str | None):
+    if recipe is None:
+      return super().__call__(x)
+    x = x.astype(self.dtype)
+    y = fp8.dot_general(x, self.kernel[...].astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())),
+                        recipe=recipe, impl=self.fp8_impl)
+    if self.bias is not None:
+      y = y + self.bias[...].astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
+    return y
+
   def __call__(self, x):
-    if self.recipe is None:
-      y = super().__call__(x)
-    else:
-      x = x.astype(self.dtype)
-      y = fp8.dot_general(x, self.kernel[...].astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())),
-                          recipe=self.recipe, impl=self.fp8_impl)
-      if self.bias is not None:
-        y = y + self.bias[...].astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
-    return policy.intercept(self.site, x, y).astype(self.dtype)
+    y = self._matmul(x, self.recipe)
+    return policy.intercept(self.site, x, y, lambda recipe: self._matmul(x, recipe)).astype(self.dtype)
 
 
 class LayerNorm(nnx.LayerNorm):

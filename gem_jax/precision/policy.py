@@ -136,20 +136,27 @@ _PROBE = contextvars.ContextVar("gem_jax_precision_probe", default=None)
 
 
 @contextlib.contextmanager
-def probing(inputs: dict, taps: dict | None = None):
+def probing(inputs: dict, taps: dict | None = None, swap: tuple | None = None):
   """While active, every Dense site stores its input in `inputs[site]` and adds `taps[site]` (when given)
-  to its output, so the gradient w.r.t. a zero tap is dL/d(site output)."""
-  token = _PROBE.set((inputs, taps or {}))
+  to its output, so the gradient w.r.t. a zero tap is dL/d(site output). `swap = (recipe, select)` with
+  select {site: bool scalar, possibly traced} replaces a site's output by its output under `recipe`
+  where select is true: one compiled program can then switch sites between recipes at run time."""
+  token = _PROBE.set((inputs, taps or {}, swap))
   try:
     yield
   finally:
     _PROBE.reset(token)
 
 
-def intercept(site: str, x, y):
+def intercept(site: str, x, y, alternative=None):
+  """Called by every Dense site with its input and output (and `alternative(recipe)`, its output under
+  another recipe); returns the output to use. A no-op outside `probing`."""
   state = _PROBE.get()
   if state is None:
     return y
-  inputs, taps = state
+  inputs, taps, swap = state
   inputs[site] = x
+  if swap is not None and alternative is not None and site in swap[1]:
+    import jax.numpy as jnp
+    y = jnp.where(swap[1][site], alternative(swap[0]).astype(y.dtype), y)
   return y + taps[site] if site in taps else y

@@ -128,6 +128,82 @@ def measure(captures: dict[str, SiteCapture], recipes=PROBED) -> list[dict]:
   return rows
 
 
+def end_to_end(model, batches, spec, recipe: str = "mxfp8_rceil", base: str = "bf16",
+               sets: dict | None = None, singles: bool = True) -> dict:
+  """Whole-model gradient SNR (dB, all parameters, summed over batches) against the model with every
+  site in `base`, when only one site at a time runs `recipe` ("sites"), when every site does ("all"),
+  and for each named set of sites in `sets`.
+
+  The per-site SNRs of `measure` are local: errors that a site adds to dx travel down the backward chain
+  and compound, so a site early in the model or feeding many parameters can cost far more than its own
+  SNR says. For scale, "sgd_noise_snr_db" is the SNR of one batch's gradient against the mean over the
+  batches (>= 2 batches): the noise SGD already lives with. One program is compiled; sites are
+  switched at run time (policy.probing's swap).
+  """
+  from flax import nnx
+
+  sites = policy.dense_sites(model)
+  saved = {site: dense.recipe for site, dense in sites}
+  try:
+    for _, dense in sites:
+      dense.recipe = base
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  finally:
+    for site, dense in sites:
+      dense.recipe = saved[site]
+
+  def loss_fn(params, batch, select):
+    with policy.probing({}, None, swap=(recipe, select)):
+      return multitask_loss(nnx.merge(graphdef, params, rest)(batch), batch, spec)[0]
+
+  grad_fn = jax.jit(jax.value_and_grad(loss_fn))
+  names = [site for site, _ in sites]
+  off = {site: jnp.zeros((), bool) for site in names}
+  flat = lambda grads: np.concatenate([np.asarray(g, np.float64).ravel() for g in jax.tree_util.tree_leaves(grads)])
+  baseline = [(float(loss), flat(grads)) for loss, grads in (grad_fn(params, b, off) for b in batches)]
+
+  def compare(chosen) -> dict:
+    select = {site: jnp.asarray(site in chosen) for site in names}
+    signal = noise = loss_delta = 0.0
+    for batch, (loss0, g0) in zip(batches, baseline):
+      loss, grads = grad_fn(params, batch, select)
+      g = flat(grads)
+      signal += float(g0 @ g0)
+      noise += float((g - g0) @ (g - g0))
+      loss_delta += abs(float(loss) - loss0) / max(abs(loss0), 1e-30)
+    return {"grad_snr_db": snr_db(signal, noise), "loss_rel_delta": loss_delta / len(batches)}
+
+  out = {"recipe": recipe, "base": base, "sites": {}, "sets": {}}
+  if singles:
+    out["sites"] = {site: compare({site}) for site in names}
+  out["all"] = compare(set(names))
+  for name, chosen in (sets or {}).items():
+    unknown = set(chosen) - set(names)
+    if unknown:
+      raise ValueError(f"end_to_end: sets[{name!r}] names unknown sites {sorted(unknown)}")
+    out["sets"][name] = compare(set(chosen))
+  if len(batches) >= 2:
+    grads = np.stack([g for _, g in baseline])
+    mean = grads.mean(0)
+    spread = float(np.sum((grads - mean) ** 2)) / (len(batches) - 1)
+    out["sgd_noise_snr_db"] = snr_db(float(mean @ mean), spread)
+  return out
+
+
+def propose_end_to_end(e2e: dict, flops_by_site: dict[str, float], target_db: float) -> list[str]:
+  """Sites to run in e2e["recipe"] so that the whole-model gradient keeps >= target_db, most FLOPs
+  first per unit of noise. Noise from different sites is close to independent, so noise powers add:
+  predicted SNR = -10 log10(sum_s 10^(-snr_s / 10)). Check the result with end_to_end(sets=...)."""
+  noise = {s: 10.0 ** (-r["grad_snr_db"] / 10.0) for s, r in e2e["sites"].items()}
+  order = sorted(noise, key=lambda s: flops_by_site.get(s, 0.0) / max(noise[s], 1e-30), reverse=True)
+  chosen, total, budget = [], 0.0, 10.0 ** (-target_db / 10.0)
+  for site in order:
+    if total + noise[site] <= budget:
+      chosen.append(site)
+      total += noise[site]
+  return chosen
+
+
 def propose(rows: list[dict], threshold_db: float, preference=PREFERENCE) -> dict[str, str]:
   """{site: recipe}: the first recipe in `preference` whose worst SNR (y, dx, dw) is >= threshold_db,
   else "bf16"."""
@@ -147,11 +223,12 @@ def as_rules(chosen: dict[str, str]) -> tuple[str, ...]:
   return tuple(f"{site}={recipe}" for site, recipe in sorted(chosen.items()))
 
 
-def table(rows: list[dict], chosen: dict[str, str] | None = None) -> str:
-  """The probe's console table: worst-of-three SNR per recipe, with y/dx/dw for MXFP8."""
+def table(rows: list[dict], chosen: dict[str, str] | None = None, e2e: dict | None = None) -> str:
+  """The probe's console table: worst-of-three SNR per recipe, with y/dx/dw for MXFP8, and the
+  whole-model gradient SNR with only that site in FP8 (`e2e`, from end_to_end)."""
   recipes = [r for r in rows[0]["snr_db"] if r != "bf16"] if rows else []
   head = f"{'site':<28} {'M':>6} {'K':>5} {'N':>5} | {'bf16/f32':>8} " + " ".join(f"{r:>11}" for r in recipes)
-  head += "  mxfp8 y/dx/dw" + ("   proposed" if chosen else "")
+  head += "  mxfp8 y/dx/dw" + (f" {'e2e':>6}" if e2e else "") + ("   proposed" if chosen else "")
   lines = [head, "-" * len(head)]
   for row in rows:
     s = row["snr_db"]
@@ -160,6 +237,8 @@ def table(rows: list[dict], chosen: dict[str, str] | None = None) -> str:
             + " ".join(f"{worst(r):>11.1f}" for r in recipes))
     if "mxfp8" in s:
       line += "  " + "/".join(f"{s['mxfp8'][q]:.1f}" for q in QUANTITIES)
+    if e2e:
+      line += f" {e2e['sites'].get(row['site'], {}).get('grad_snr_db', float('nan')):>6.1f}"
     if chosen:
       line += f"   {chosen[row['site']]}"
     lines.append(line)
