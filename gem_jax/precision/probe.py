@@ -29,7 +29,8 @@ from gem_jax.model.heads import multitask_loss
 from gem_jax.precision import fp8, policy
 
 PROBED = ("mxfp8", "mxfp8_rceil", "mxfp8_e5m2", "rowwise", "tensorwise")
-PREFERENCE = ("mxfp8", "mxfp8_rceil", "rowwise", "tensorwise")
+# Round-up MX scales first: the same cost as floor scales and a higher SNR at every site measured so far.
+PREFERENCE = ("mxfp8_rceil", "mxfp8", "rowwise", "tensorwise")
 QUANTITIES = ("y", "dx", "dw")
 
 
