@@ -95,20 +95,22 @@ def bench_train_gemm(m, k, n, *, reps, rng) -> list[dict]:
   return records
 
 
-def bench_step(config: str, *, reps: int) -> list[dict]:
+def bench_step(config: str, policies, *, reps: int) -> list[dict]:
   cfg = configs.get(config)
   spec = cfg.data.spec
   batch = pipeline.eval_batches(SyntheticAdsStream(spec, cfg.data.synthetic), spec, cfg.data.pipeline,
                                 num_examples=cfg.data.pipeline.batch_size, start_index=0)[0]
   batch = jax.tree_util.tree_map(jnp.asarray, batch)
   records = []
-  for name in ("bf16", "fp8", "rowwise", "mxfp8"):
+  for name in policies:
     model_cfg = dataclasses.replace(cfg.model, precision=PrecisionConfig(policy=name))
     model = GEM(spec, model_cfg, rngs=nnx.Rngs(0))
     optimizer = make_optimizer(cfg.train, nnx.state(model, nnx.Param))
     graphdef, rest, state = init_state(model, optimizer)
     step = make_train_step(graphdef, rest, optimizer, spec)
-    state, _ = step(state, batch)   # compile
+    for _ in range(3):   # compile, then let allocations settle before timing
+      state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
     times = []
     for _ in range(reps):
       t = time.perf_counter()
@@ -138,18 +140,30 @@ def main(argv=None) -> int:
   p.add_argument("--quick", action="store_true", help="small shapes and the tiny config (CPU)")
   p.add_argument("--reps", type=int, default=None, help="timed runs per case (default 5 quick, 20 full)")
   p.add_argument("--step-config", default=None, help="config for the train-step table (default tiny / base)")
+  p.add_argument("--shape", action="append", default=None, metavar="MxKxN",
+                 help="GEMM shape instead of the default grid (repeatable)")
+  p.add_argument("--step-policies", default="bf16,fp8,rowwise,mxfp8", help="policies of the step table")
   p.add_argument("--out", default=None, help="JSON output path")
   args = p.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   reps = args.reps or (5 if args.quick else 20)
   shapes = ([(2048, 256, 256), (2048, 512, 512)] if args.quick else
             [(16384, d, d) for d in (512, 1024, 2048, 4096)])
+  if args.shape:
+    try:
+      shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape]
+    except ValueError:
+      p.error(f"--shape takes MxKxN, e.g. 16384x1024x1024, got {args.shape}")
+    if any(len(s) != 3 or min(s) < 1 for s in shapes):
+      p.error(f"--shape takes three positive sizes MxKxN, got {args.shape}")
+  step_policies = [n.strip() for n in args.step_policies.split(",") if n.strip()]
   rng = np.random.default_rng(0)
   records = []
   for m, k, n in shapes:
     records += bench_gemm(m, k, n, reps=reps, on_gpu=on_gpu, rng=rng)
     records += bench_train_gemm(m, k, n, reps=reps, rng=rng)
-  records += bench_step(args.step_config or ("tiny" if args.quick or not on_gpu else "base"), reps=reps)
+  records += bench_step(args.step_config or ("tiny" if args.quick or not on_gpu else "base"), step_policies,
+                        reps=reps)
   records = with_ratios(records)
   print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), median of {reps}")
   print(f"{'table':<6} {'shape / config':<20} {'recipe/policy':<14} {'impl':<8} {'ms':>9} {'TFLOP/s':>9} "

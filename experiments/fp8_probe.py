@@ -59,7 +59,9 @@ def main(argv=None) -> int:
   p.add_argument("--run", default=None, help="probe the parameters of this run folder's last checkpoint")
   p.add_argument("--batches", type=int, default=2, help="training-stream batches to probe on")
   p.add_argument("--threshold", type=float, default=25.0, help="min SNR (dB) of y, dx and dw to allow a recipe")
-  p.add_argument("--sites", default="*", help="fnmatch pattern: probe only the matching sites")
+  p.add_argument("--sites", default="*",
+                 help="fnmatch pattern: probe only the matching sites (the end-to-end 'every site' row still "
+                      "switches all of them)")
   p.add_argument("--end-to-end", default="mxfp8_rceil", metavar="RECIPE",
                  help="recipe of the whole-model gradient probe ('none' to skip)")
   p.add_argument("--target-db", type=float, default=20.0,
@@ -104,7 +106,7 @@ def end_to_end_section(model, batches, cfg, captures, recipe: str, target_db: fl
   that proposal and of the config's `fp8` policy."""
   spec = cfg.data.spec
   flops = {s: c.xs_MxK[0].shape[0] * c.w_KxN.shape[0] * c.w_KxN.shape[1] for s, c in captures.items()}
-  e2e = probe.end_to_end(model, batches, spec, recipe)
+  e2e = probe.end_to_end(model, batches, spec, recipe, singles=list(captures))
   proposed = probe.propose_end_to_end(e2e, flops, target_db)
   fp8_policy = [s for s, d in policy.dense_sites(model)
                 if policy.resolve(s, d.in_features, d.out_features,

@@ -54,3 +54,19 @@ def test_parity_script_trains_every_policy_and_reports(tmp_path):
   assert data["policies"]["bf16"]["rel_ne_gap"]["click"] == 0.0
   assert data["policies"]["fp8"]["flop_share"]["mxfp8_rceil"] > 0.3
   assert pathlib.Path(data["png"]).stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_fp8_bench_quick_checks_every_kernel_against_the_emulation(tmp_path):
+  out = tmp_path / "bench.json"
+  assert load("bench_fp8").main(["--quick", "--reps", "1", "--shape", "512x64x96", "--step-policies", "bf16,fp8",
+                                 "--out", str(out)]) == 0
+  records = json.loads(out.read_text())["records"]
+  gemm = [r for r in records if r["table"] == "gemm"]
+  assert {(r["recipe"], r["impl"]) for r in gemm} >= {("bf16", "xla"), ("rowwise", "xla"), ("mxfp8", "emulate")}
+  for r in gemm:
+    assert "error" not in r, r
+    assert r["max_rel_err"] <= (0.0 if r["impl"] == "emulate" else 1e-5), r
+    assert r["tflops"] > 0 and r["speedup_vs_bf16"] > 0
+  assert {r["policy"] for r in records if r["table"] == "step"} == {"bf16", "fp8"}
+  assert all(r["median_ms"] > 0 for r in records if r["table"] in ("train", "step"))

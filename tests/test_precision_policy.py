@@ -34,6 +34,19 @@ def with_precision(cfg, **kw):
   return dataclasses.replace(cfg.model, precision=PrecisionConfig(**kw))
 
 
+@pytest.fixture(scope="module")
+def shared_model(tiny):
+  """One tiny GEM for the tests below (building one takes seconds); each test sets its own policy with
+  policy.apply, which is also how a policy reaches a model without touching model code."""
+  cfg, _ = tiny
+  return GEM(cfg.data.spec, cfg.model, rngs=nnx.Rngs(0))
+
+
+def using(model, **kw):
+  policy.apply(model, PrecisionConfig(**kw))
+  return model
+
+
 def test_resolution_order_and_size_threshold():
   cfg = PrecisionConfig(policy="fp8", rules=("layers.1.hstu.*=rowwise", "heads.*=none"), min_dim=64)
   assert policy.resolve("layers.1.hstu.uvqk", 64, 256, cfg) == "rowwise"      # user rule first
@@ -66,12 +79,15 @@ def test_command_line_overrides_reach_the_policy():
     apply_overrides(configs.get("tiny"), ['model.precision.rules=["heads.trunk=int8"]'])
 
 
-def test_policy_changes_sites_without_model_code_changes(tiny):
+def test_policy_changes_sites_without_model_code_changes(tiny, shared_model):
   cfg, batch = tiny
   by_policy = {}
   for name in ("none", "bf16", "fp8", "mxfp8"):
-    model = GEM(cfg.data.spec, with_precision(cfg, policy=name, min_dim=32), rngs=nnx.Rngs(0))
+    model = using(shared_model, policy=name, min_dim=32)
     by_policy[name] = {site: d.recipe for site, d in policy.dense_sites(model)}
+  # Built from the config, a model gets the same recipes.
+  built = GEM(cfg.data.spec, with_precision(cfg, policy="fp8", min_dim=32), rngs=nnx.Rngs(0))
+  assert {site: d.recipe for site, d in policy.dense_sites(built)} == by_policy["fp8"]
   sites = set(by_policy["none"])
   assert {"token_proj", "heads.trunk", "layers.0.hstu.uvqk", "layers.1.wukong.fm_mlp_in"} <= sites
   assert set(by_policy["none"].values()) == {None}
@@ -82,9 +98,8 @@ def test_policy_changes_sites_without_model_code_changes(tiny):
                        "layers.1.wukong.fm_mlp_in", "layers.1.wukong.fm_mlp_out"}
 
 
-def test_dense_under_a_recipe_is_the_fp8_dot_plus_bias(tiny):
-  cfg, _ = tiny
-  model = GEM(cfg.data.spec, with_precision(cfg, policy="mxfp8"), rngs=nnx.Rngs(0))
+def test_dense_under_a_recipe_is_the_fp8_dot_plus_bias(shared_model):
+  model = using(shared_model, policy="mxfp8")
   dense = model.heads.trunk
   x = jax.random.normal(jax.random.key(0), (5, dense.in_features))
   want = fp8.matmul(x, dense.kernel[...], "mxfp8", "emulate") + dense.bias[...][None]
@@ -94,7 +109,7 @@ def test_dense_under_a_recipe_is_the_fp8_dot_plus_bias(tiny):
                              rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_model_forward_and_gradients_track_float32(tiny):
+def test_fp8_model_forward_and_gradients_track_float32(tiny, shared_model):
   """The whole model under bf16 and all-MXFP8 at init: loss close to float32, gradients finite, and the
   whole-model gradient SNR ordered by precision. Per GEMM MXFP8 keeps ~27 dB (test_probe_snr_and_proposal);
   through the backward chain the errors compound to ~13 dB on the tiny model (bf16: ~37 dB)."""
@@ -102,7 +117,7 @@ def test_fp8_model_forward_and_gradients_track_float32(tiny):
   spec = cfg.data.spec
 
   def loss_and_grad(name):
-    model = GEM(spec, with_precision(cfg, policy=name), rngs=nnx.Rngs(0))
+    model = using(shared_model, policy=name)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     f = lambda p, b: multitask_loss(nnx.merge(graphdef, p, rest)(b), b, spec)[0]
     return jax.jit(jax.value_and_grad(f))(params, batch)
@@ -120,11 +135,11 @@ def test_fp8_model_forward_and_gradients_track_float32(tiny):
   assert snr(g16, g32) > 30.0 and 8.0 < snr(g8, g32) < snr(g16, g32) - 10.0
 
 
-def test_probe_capture_gives_each_sites_input_and_output_gradient(tiny):
+def test_probe_capture_gives_each_sites_input_and_output_gradient(tiny, shared_model):
   """x^T g of a captured site is the loss gradient of that site's kernel (chain rule)."""
   cfg, batch = tiny
   spec = cfg.data.spec
-  model = GEM(spec, cfg.model, rngs=nnx.Rngs(0))
+  model = using(shared_model, policy="none")
   caps = probe.capture(model, [batch], spec)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   grads = jax.grad(lambda p: multitask_loss(nnx.merge(graphdef, p, rest)(batch), batch, spec)[0])(params)
@@ -140,9 +155,9 @@ def test_probe_capture_gives_each_sites_input_and_output_gradient(tiny):
   assert {d.recipe for _, d in policy.dense_sites(model)} == {None}
 
 
-def test_probe_snr_and_proposal(tiny):
+def test_probe_snr_and_proposal(tiny, shared_model):
   cfg, batch = tiny
-  model = GEM(cfg.data.spec, cfg.model, rngs=nnx.Rngs(0))
+  model = using(shared_model, policy="none")
   caps = probe.capture(model, [batch], cfg.data.spec)
   caps = {s: caps[s] for s in ("layers.0.hstu.uvqk", "heads.trunk")}
   rows = probe.measure(caps, recipes=("mxfp8", "tensorwise"))
@@ -168,10 +183,10 @@ def test_snr_db_edge_cases():
   assert json.dumps(probe.snr_db(1.0, 0.0)) == "Infinity"
 
 
-def test_end_to_end_probe_switches_sites_at_run_time(tiny):
+def test_end_to_end_probe_switches_sites_at_run_time(tiny, shared_model):
   cfg, batch = tiny
   spec = cfg.data.spec
-  model = GEM(spec, cfg.model, rngs=nnx.Rngs(0))
+  model = using(shared_model, policy="none")
   e2e = probe.end_to_end(model, [batch], spec, "mxfp8_rceil",
                          sets={"nothing": [], "uvqk": ["layers.0.hstu.uvqk"]})
   singles = {s: r["grad_snr_db"] for s, r in e2e["sites"].items()}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -130,10 +131,10 @@ def measure(captures: dict[str, SiteCapture], recipes=PROBED) -> list[dict]:
 
 
 def end_to_end(model, batches, spec, recipe: str = "mxfp8_rceil", base: str = "bf16",
-               sets: dict | None = None, singles: bool = True) -> dict:
+               sets: dict | None = None, singles: bool | Iterable[str] = True) -> dict:
   """Whole-model gradient SNR (dB, all parameters, summed over batches) against the model with every
   site in `base`, when only one site at a time runs `recipe` ("sites"), when every site does ("all"),
-  and for each named set of sites in `sets`.
+  and for each named set of sites in `sets`. `singles` may name the sites to measure one at a time.
 
   The per-site SNRs of `measure` are local: errors that a site adds to dx travel down the backward chain
   and compound, so a site early in the model or feeding many parameters can cost far more than its own
@@ -176,7 +177,8 @@ def end_to_end(model, batches, spec, recipe: str = "mxfp8_rceil", base: str = "b
 
   out = {"recipe": recipe, "base": base, "sites": {}, "sets": {}}
   if singles:
-    out["sites"] = {site: compare({site}) for site in names}
+    wanted = names if singles is True else [site for site in names if site in set(singles)]
+    out["sites"] = {site: compare({site}) for site in wanted}
   out["all"] = compare(set(names))
   for name, chosen in (sets or {}).items():
     unknown = set(chosen) - set(names)
