@@ -135,9 +135,8 @@ def _scale_down(bits, exp):
   exp_field = mag >> 23
   x = jax.lax.bitcast_convert_type(bits, jnp.float32)
   # Normal x: one multiply by a normal power of two, exact unless the result is subnormal (then zero).
+  # For float32 input exp <= 127 - emax, so -exp >= -120 and the clip never bites; it keeps 2^-exp normal.
   normal = x * _pow2_f32(jnp.clip(-exp, -126, 127))
-  # -exp may be 127 + ... only when exp = -127; 2^127 is fine. exp = 127 never happens for float32 input
-  # (amax < 2^128, so exp <= 127 - emax), but clip keeps the helper total.
   # Subnormal x = mant * 2^-149: the product mant * 2^(-149 - exp) is normal when -149 - exp >= -126.
   mant = (mag & _F32_MANT_MASK).astype(jnp.float32)
   sub_exp = -149 - exp
@@ -151,8 +150,7 @@ def _scale_down(bits, exp):
 def quantize(x, *, axis: int = -1, block_size: int = BLOCK_SIZE, elem_dtype=jnp.float8_e4m3fn,
              scale_mode: str = "floor"):
   """MX-quantizes x along `axis`: returns (elems in elem_dtype, shape of x; scales in float8_e8m0fnu)."""
-  emax, max_normal = _element_format(elem_dtype)
-  del emax
+  _, max_normal = _element_format(elem_dtype)
   axis = _check_axis(jnp.shape(x), axis, block_size, "mx.quantize")
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
