@@ -3,27 +3,60 @@
   python experiments/train.py                          # small config, CPU, ~4 minutes on 2 cores
   python experiments/train.py --config tiny --out runs/tiny --set train.steps=50
   python experiments/train.py --out runs/default --resume   # continue from the last checkpoint
+  python experiments/train.py --config tiny --mesh meshes/cpu_16_5d.yaml --out runs/5d   # 16 CPU devices
+
+Multi-process (one command per process; on SLURM or Open MPI, JAX finds the coordinator itself):
+  python experiments/train.py --mesh meshes/cpu_8.yaml --coordinator localhost:12355 \\
+      --num-processes 2 --process-id 0 --local-devices 4 ...
 """
 
 import argparse
 import json
+import os
 import sys
 
-from gem_jax import configs
-from gem_jax.config import apply_overrides
-from gem_jax.train.loop import train
+
+def _mesh_devices(path: str) -> int:
+  """Devices a mesh file needs, read without jax (the CPU device count must be set before jax starts)."""
+  import math
+
+  import yaml
+  with open(path) as f:
+    data = yaml.safe_load(f) or {}
+  axes = data.get("axes") or {}
+  return math.prod(int(v) for v in axes.values()) if isinstance(axes, dict) and axes else 1
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", default="small", choices=sorted(configs.CONFIGS), help="named config")
+  p.add_argument("--config", default="small", help="named config (gem_jax/configs.py)")
   p.add_argument("--out", default="runs/default", help="run folder (metrics.jsonl, checkpoints/, summary.json)")
   p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+  p.add_argument("--mesh", default=None, help="mesh file (meshes/*.yaml); default: one device")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="override a config field, e.g. --set train.steps=200 (repeatable)")
+  p.add_argument("--coordinator", default=None, help="host:port of process 0 (multi-process runs)")
+  p.add_argument("--num-processes", type=int, default=None)
+  p.add_argument("--process-id", type=int, default=None)
+  p.add_argument("--local-devices", type=int, default=None,
+                 help="CPU devices of this process (default: all the mesh needs, in one process)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = p.parse_args(argv)
+
+  from gem_jax.parallel import distributed
+  cpu_devices = args.local_devices
+  if cpu_devices is None and args.mesh and os.environ.get("JAX_PLATFORMS", "cpu").startswith("cpu"):
+    cpu_devices = _mesh_devices(args.mesh)
+  distributed.setup(distributed.ProcessSetup.from_env(
+      coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id,
+      cpu_devices=cpu_devices))
+
+  from gem_jax import configs
+  from gem_jax.config import apply_overrides
+  from gem_jax.train.loop import train
   cfg = apply_overrides(configs.get(args.config), args.set)
+  if args.mesh:
+    cfg = apply_overrides(cfg, [f"mesh={args.mesh}"])
   summary = train(cfg, args.out, resume=args.resume, progress=not args.no_progress)
   print(json.dumps({"steps": summary["steps"], "examples_per_s": summary["examples_per_s"],
                     "tasks": summary["tasks"]}, indent=2))

@@ -8,10 +8,18 @@ Lookups never clamp an id: an id outside its table reads a NaN row (the host val
 this only fires when validation was skipped, and then the loss says so). Jagged padding slots (past
 offsets[B]) are masked to id 0 before the lookup, so whatever the pipeline wrote there is never read.
 
+Under SPMD (gem_jax/parallel/spmd.py) a device holds only its block of each table's rows; the step then
+installs a distributed lookup with `lookup_override`, and `lookup` routes every read through it. The
+model code stays the same on one device and on a mesh.
+
 Letters: B batch, T jagged token capacity, V table rows, E embedding width, F history token fields.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +31,20 @@ from gem_jax.jagged import Jagged
 from gem_jax.model.config import ModelConfig
 
 TABLE_AXES = ("table_rows", "table_dim")
+
+# (table name, the table variable's value as this trace sees it, ids) -> rows of shape ids.shape + (E,).
+LookupFn = Callable[[str, jax.Array, jax.Array], jax.Array]
+_LOOKUP: contextvars.ContextVar[LookupFn | None] = contextvars.ContextVar("gem_jax_lookup", default=None)
+
+
+@contextlib.contextmanager
+def lookup_override(fn: LookupFn) -> Iterator[None]:
+  """Routes every EmbeddingCollection.lookup traced inside the block through `fn`."""
+  token = _LOOKUP.set(fn)
+  try:
+    yield
+  finally:
+    _LOOKUP.reset(token)
 
 
 class Table(nnx.Param):
@@ -48,7 +70,14 @@ class EmbeddingCollection(nnx.Module):
     if table not in self.tables:
       raise KeyError(f"no embedding table {table!r}; tables: {sorted(self.tables)}")
     rows_VxE = self.tables[table][...]
-    out = jnp.take(rows_VxE, jnp.asarray(ids, jnp.int32), axis=0, mode="fill", fill_value=jnp.nan)
+    ids = jnp.asarray(ids, jnp.int32)
+    override = _LOOKUP.get()
+    if override is not None:
+      out = override(table, rows_VxE, ids)
+    else:
+      # mode="fill" alone would wrap negative ids (-1 -> row V - 1): send them out of range too.
+      out = jnp.take(rows_VxE, jnp.where(ids < 0, rows_VxE.shape[0], ids), axis=0, mode="fill",
+                     fill_value=jnp.nan)
     return out.astype(self.dtype)
 
   def single_hot(self, feature: str, ids_B):

@@ -66,13 +66,11 @@ def task_masks(batch: Batch, spec: FeatureSpec):
   return mask_BxK * jnp.stack(parent_cols, axis=1)
 
 
-def multitask_loss(logits_BxK, batch: Batch, spec: FeatureSpec):
-  """Task-weighted BCE (float32), every task normalized by the number of real examples in the batch.
+def multitask_sums(logits_BxK, batch: Batch, spec: FeatureSpec):
+  """The additive parts of multitask_loss: (BCE sum per task K, real examples, counted labels per task K).
 
-  Normalizing a task by its own label count instead would give conversion (defined on the ~3% of
-  clicked examples, a handful per batch) a per-example weight ~30x click's and a gradient that is mostly
-  noise; over the batch, each task's gradient scales with how much evidence it has, as in production
-  multi-task ads models. Returns (loss, {"loss/<task>": mean BCE over the task's counted labels}).
+  A data-parallel step adds these over its shards before dividing, so the loss of a sharded batch is the
+  loss of the whole batch, not a mean of per-shard means.
   """
   k = len(spec.tasks)
   if logits_BxK.shape[-1] != k:
@@ -84,8 +82,24 @@ def multitask_loss(logits_BxK, batch: Batch, spec: FeatureSpec):
   # batch may hold anything, and a NaN there would turn into NaN gradients through a product.
   safe_BxK = jnp.where(mask_BxK > 0, logits_BxK, 0.0)
   sum_K = jnp.sum(optax.sigmoid_binary_cross_entropy(safe_BxK, labels_BxK) * mask_BxK, axis=0)
-  examples = jnp.maximum(jnp.sum(batch.example_mask_B.astype(jnp.float32)), 1.0)
+  examples = jnp.sum(batch.example_mask_B.astype(jnp.float32))
+  return sum_K, examples, jnp.sum(mask_BxK, axis=0)
+
+
+def loss_from_sums(sum_K, examples, counts_K, spec: FeatureSpec):
+  """(loss, per-task metrics) from multitask_sums (possibly added over data shards)."""
   weights_K = jnp.asarray([t.weight for t in spec.tasks], jnp.float32)
-  loss = jnp.sum(weights_K * sum_K) / examples / jnp.sum(weights_K)
-  per_task_K = sum_K / jnp.maximum(jnp.sum(mask_BxK, axis=0), 1.0)
+  loss = jnp.sum(weights_K * sum_K) / jnp.maximum(examples, 1.0) / jnp.sum(weights_K)
+  per_task_K = sum_K / jnp.maximum(counts_K, 1.0)
   return loss, {f"loss/{t.name}": per_task_K[i] for i, t in enumerate(spec.tasks)}
+
+
+def multitask_loss(logits_BxK, batch: Batch, spec: FeatureSpec):
+  """Task-weighted BCE (float32), every task normalized by the number of real examples in the batch.
+
+  Normalizing a task by its own label count instead would give conversion (defined on the ~3% of
+  clicked examples, a handful per batch) a per-example weight ~30x click's and a gradient that is mostly
+  noise; over the batch, each task's gradient scales with how much evidence it has, as in production
+  multi-task ads models. Returns (loss, {"loss/<task>": mean BCE over the task's counted labels}).
+  """
+  return loss_from_sums(*multitask_sums(logits_BxK, batch, spec), spec)

@@ -27,6 +27,8 @@ from gem_jax.data import pipeline
 from gem_jax.data.synthetic import SyntheticAdsStream
 from gem_jax.model.gem import GEM
 from gem_jax.observe import flops
+from gem_jax.parallel import mesh as mesh_lib
+from gem_jax.parallel import spmd
 from gem_jax.train import metrics as metrics_lib
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.optim import make_optimizer
@@ -62,17 +64,23 @@ class _JsonlWriter:
     self._f.close()
 
 
-def evaluate(eval_step, params, batches, spec) -> tuple[dict, dict]:
-  """Eval metrics per task for the model and for the planted model (when the data has one)."""
+def evaluate(eval_step, params, batches, spec, device_batch=None) -> tuple[dict, dict]:
+  """Eval metrics per task for the model and for the planted model (when the data has one).
+
+  device_batch: host batch -> what eval_step takes (on a mesh: placement of an already sharded host
+  batch, whose leading data-shard dim the probabilities share).
+  """
   model_acc, planted_acc = metrics_lib.TaskMetrics(), metrics_lib.TaskMetrics()
   has_planted = True
+  k = len(spec.tasks)
   for batch in batches:
-    probs = np.asarray(eval_step(params, batch))
-    mask = np.asarray(batch.label_mask_BxK) * np.asarray(batch.example_mask_B)[:, None]
-    model_acc.add(np.asarray(batch.labels_BxK), probs, mask)
-    planted = np.asarray(batch.planted_logits_BxK)
+    probs = np.asarray(eval_step(params, device_batch(batch) if device_batch else batch)).reshape(-1, k)
+    rows = lambda x: np.asarray(x).reshape(-1, k)
+    mask = rows(batch.label_mask_BxK) * np.asarray(batch.example_mask_B).reshape(-1)[:, None]
+    model_acc.add(rows(batch.labels_BxK), probs, mask)
+    planted = rows(batch.planted_logits_BxK)
     if has_planted and np.all(np.isfinite(planted[mask > 0])):
-      planted_acc.add(np.asarray(batch.labels_BxK), 1.0 / (1.0 + np.exp(-planted)), mask)
+      planted_acc.add(rows(batch.labels_BxK), 1.0 / (1.0 + np.exp(-planted)), mask)
     else:
       has_planted = False
   names = spec.task_names
@@ -102,8 +110,21 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
   optimizer = make_optimizer(tc, params_for_opt)
   graphdef, rest, state = init_state(model, optimizer)
   del model, params_for_opt
-  train_step = make_train_step(graphdef, rest, optimizer, spec)
-  eval_step = make_eval_step(graphdef, rest)
+  eval_place = None
+  device_batch = None  # host batch -> the train step's input (identity on one device)
+  if cfg.mesh is None:
+    train_step = make_train_step(graphdef, rest, optimizer, spec)
+    eval_step = make_eval_step(graphdef, rest)
+  else:
+    mesh_spec = mesh_lib.load(cfg.mesh)
+    mesh = mesh_lib.build_mesh(mesh_spec, mesh_devices(mesh_spec))
+    # The capacity of the embedding all-to-all is sized on the first training batch (block 0).
+    first = pipeline.pack(stream.block(0, cfg.data.pipeline.batch_size), spec, cfg.data.pipeline)
+    run = spmd.MeshRun.create(mesh_spec, mesh, graphdef, rest, optimizer, state, spec, cfg.data.pipeline,
+                              cfg.model.hstu.keep_last[0], first)
+    state, train_step, eval_step, device_batch = run.state, run.train_step, run.eval_step, run.device_batch
+    eval_batches = [run.shard(b) for b in eval_batches]
+    eval_place = run.place
 
   # ---- restore -----------------------------------------------------------------------------------
   ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), keep=tc.keep_checkpoints,
@@ -147,7 +168,7 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
     examples += lengths.size
     history_tokens += int(lengths.sum())
     t0 = time.perf_counter()
-    state, dev_metrics = train_step(state, batch)
+    state, dev_metrics = train_step(state, device_batch(batch) if device_batch else batch)
     if compile_s is None:
       jax.block_until_ready(dev_metrics)
       compile_s = time.perf_counter() - t0
@@ -170,7 +191,7 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
                 {"data": train_iter.get_state(), "label_positives": positives.tolist(),
                  "label_counts": seen.tolist()}, force=True)
     if (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
-      model_metrics, _ = evaluate(eval_step, state.params, eval_batches, spec)
+      model_metrics, _ = evaluate(eval_step, state.params, eval_batches, spec, eval_place)
       rec = {"eval_step": step + 1, **{f"{t}/{k}": v for t, m in model_metrics.items() for k, v in m.items()}}
       log.write(rec)
   if pending is not None:
@@ -187,7 +208,7 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
     return {"config": cfg.name, "stopped_at": end_step, "steps_this_run": end_step - start_step}
 
   # ---- final evaluation and summary ----------------------------------------------------------------
-  model_metrics, planted_metrics = evaluate(eval_step, state.params, eval_batches, spec)
+  model_metrics, planted_metrics = evaluate(eval_step, state.params, eval_batches, spec, eval_place)
   base_rates = positives / np.maximum(seen, 1)
   tasks = {}
   for k, task in enumerate(spec.task_names):
@@ -221,6 +242,20 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
 
 
 def _eval_labels(batches, k: int):
-  labels = np.concatenate([np.asarray(b.labels_BxK)[:, k] for b in batches])
-  mask = np.concatenate([np.asarray(b.label_mask_BxK)[:, k] * np.asarray(b.example_mask_B) for b in batches])
+  num = lambda b: np.asarray(b.labels_BxK).shape[-1]
+  labels = np.concatenate([np.asarray(b.labels_BxK).reshape(-1, num(b))[:, k] for b in batches])
+  mask = np.concatenate([np.asarray(b.label_mask_BxK).reshape(-1, num(b))[:, k] *
+                         np.asarray(b.example_mask_B).reshape(-1) for b in batches])
   return labels, mask
+
+
+def mesh_devices(mesh_spec) -> list:
+  """The devices a mesh file runs on: all of them, which must be exactly as many as the file needs."""
+  devices = jax.devices()
+  if len(devices) != mesh_spec.num_devices:
+    raise mesh_lib.MeshFileError(
+        f"mesh {mesh_spec.name!r} needs {mesh_spec.num_devices} devices "
+        f"({' x '.join(f'{a}={n}' for a, n in mesh_spec.axes)}), this run has {len(devices)} "
+        f"({jax.default_backend()}); on CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
+        f"{mesh_spec.num_devices} before jax is imported (experiments/train.py does)")
+  return devices

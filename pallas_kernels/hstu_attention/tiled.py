@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels import vma
 from pallas_kernels.hstu_attention import masks
 from pallas_kernels.hstu_attention.reference import relative_position_bucket
 
@@ -211,6 +212,7 @@ def _forward(s: _Static, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bia
     return _add_rows(acc_TpxHxDv, q_at, _dot("hqk,khd->qhd", w_HxQxK, v_KxHxDv.astype(jnp.float32)))
 
   acc = jnp.zeros((capacity + s.block,) + v_TxHxDv.shape[1:], jnp.float32)
+  acc = vma.like(acc, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
   acc = lax.fori_loop(0, ctx.n_tiles, body, acc)
   return acc[:capacity].astype(v_TxHxDv.dtype)
 
@@ -258,6 +260,7 @@ def _attention_bwd(s, residuals, dout_TxHxDv):
           jnp.zeros((padded,) + k_TxHxD.shape[1:], jnp.float32),
           jnp.zeros((padded,) + v_TxHxDv.shape[1:], jnp.float32),
           jnp.zeros((q_TxHxD.shape[1], num_buckets), jnp.float32))
+  init = vma.like(init, q_TxHxD, k_TxHxD, v_TxHxDv, dout_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
   dq, dk, dv, dbias_HxR = lax.fori_loop(0, ctx.n_tiles, body, init)
   return (dq[:capacity].astype(q_TxHxD.dtype), dk[:capacity].astype(k_TxHxD.dtype),
           dv[:capacity].astype(v_TxHxDv.dtype), None, None, dbias_HxR.astype(bias_HxR.dtype))

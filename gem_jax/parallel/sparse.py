@@ -1,0 +1,175 @@
+"""Embedding lookups on row-sharded tables: move ids to the shard that owns them and rows back.
+
+A V x E table is model parallel over `axes` (the `sparse` mesh axis, or ("fsdp", "sparse")) and
+replicated over the other mesh axes. Inside `jax.shard_map` each device holds the rows of its block,
+global rows [s*V/P, (s+1)*V/P) where s = `jax.lax.axis_index(axes)` and P the product of the axis sizes,
+and the ids of its own data shard. `sharded_lookup` returns, on every device, the rows of its ids.
+
+Protocol (all of it inside `jax.named_scope("embedding_lookup")`, so profiles and HLO name it):
+  1. Deduplicate: each distinct valid id is requested once per device. Ids outside [0, V) are never
+     sent; they read a NaN row, like the single-device lookup.
+  2. Bucket: unique ids come out sorted, so their owners (id // (V/P)) are sorted too; an id's slot is
+     its rank within its owner's bucket. Slots < C (the capacity) fill a P x C send buffer, pad -1.
+  3. Round 1: all_to_all the ids over `axes`; each owner gathers its rows for the ids it received
+     (pad -> zeros) and all_to_all's the P x C x E rows back.
+  4. Fallback: if any device anywhere has a bucket longer than C (a pmax over `uniform_axes` makes the
+     decision the same on every device, so no collective is left waiting), one more round under
+     `lax.cond` moves the overflowing ids with a capacity that holds all of them. Round 1 stays cheap
+     when C is sized for typical batches (`capacity_for`); skewed batches stay exact.
+Gradients come from JAX: call `jax.grad` outside the shard_map and it transposes the all_to_alls, the
+gathers and the cond (the cotangent rows travel back to their owner and are scatter-added there).
+
+This module must never drop an id (an overflowing id goes through the fallback, never silently to zero)
+and never gather a table: only requested ids and their rows cross the wire.
+
+Letters: N ids per device, U = N unique-id slots, V table rows, Vl = V/P local rows, E embedding width,
+P shards of the table, C capacity (ids per destination per round).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_PAD = -1  # marks an empty slot of a send buffer
+
+
+def _as_axes(axes: str | Sequence[str]) -> tuple[str, ...]:
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _exchange(table_VlxE, local_U, owner_U, slot_U, send_U, *, axes, num_shards, capacity):
+  """One round: ids with `send_U` go to `owner_U` at `slot_U` (< capacity); returns their rows (U x E).
+
+  `local_U` is the id's row inside its owner's block. Rows of ids not sent are zeros."""
+  # Ids not sent get an out-of-bounds scatter index, which mode="drop" discards.
+  dest_U = jnp.where(send_U, owner_U, num_shards)
+  send_PxC = jnp.full((num_shards, capacity), _PAD, jnp.int32)
+  send_PxC = send_PxC.at[dest_U, slot_U].set(local_U, mode="drop")
+  # recv_PxC[q] = the ids device q asked this device for.
+  recv_PxC = jax.lax.all_to_all(send_PxC, axes, 0, 0)
+  has_id_PxC = recv_PxC != _PAD
+  safe_PxC = jnp.where(has_id_PxC, recv_PxC, 0)
+  rows_PxCxE = jnp.take(table_VlxE, safe_PxC, axis=0)
+  rows_PxCxE = jnp.where(has_id_PxC[..., None], rows_PxCxE, jnp.zeros((), table_VlxE.dtype))
+  # reply_PxCxE[p] = the rows owner p sent back for this device's bucket p, in slot order.
+  reply_PxCxE = jax.lax.all_to_all(rows_PxCxE, axes, 0, 0)
+  rows_UxE = reply_PxCxE[jnp.where(send_U, owner_U, 0), jnp.where(send_U, slot_U, 0)]
+  return jnp.where(send_U[:, None], rows_UxE, jnp.zeros((), table_VlxE.dtype))
+
+
+def sharded_lookup(table_VlxE: jax.Array, ids: jax.Array, *, axes: str | Sequence[str], num_rows: int,
+                   capacity: int, uniform_axes: Sequence[str]) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Rows of a row-sharded table for this device's ids; call inside `jax.shard_map`.
+
+  table_VlxE: this device's block of the table (Vl = num_rows / P rows), sharded P(axes, None).
+  ids: int ids of any shape (N = ids.size). Ids in [0, num_rows) read their row exactly; others a NaN row.
+  axes: the mesh axes the table rows are sharded over, outermost first (as in its PartitionSpec).
+  capacity: ids per destination in round 1 (`capacity_for` sizes it); larger buckets take the fallback.
+  uniform_axes: the mesh axes over which the fallback decision is made uniform; must hold all of `axes`
+    (pass every mesh axis of the shard_map, so every device takes the same branch).
+  Returns (rows, stats): rows has shape ids.shape + (E,) in the table's dtype; stats are int32 scalars
+  local to this device: "unique" (distinct valid ids), "max_bucket" (most unique ids for one owner),
+  "overflow" (1 if the fallback round ran), "remote_unique" (distinct valid ids owned by another shard).
+  """
+  axes = _as_axes(axes)
+  uniform_axes = _as_axes(uniform_axes)
+  if table_VlxE.ndim != 2:
+    raise ValueError(f"sharded_lookup: table block must be Vl x E, got shape {table_VlxE.shape}")
+  missing = [a for a in axes if a not in uniform_axes]
+  if missing:
+    raise ValueError(f"sharded_lookup: uniform_axes {uniform_axes} must include the table axes {axes}; "
+                     f"missing {missing} (devices of one all_to_all group could take different branches)")
+  if not isinstance(capacity, (int, np.integer)) or capacity < 1:
+    raise ValueError(f"sharded_lookup: capacity must be an int >= 1, got {capacity!r}")
+  num_shards = jax.lax.axis_size(axes)
+  if num_rows % num_shards:
+    raise ValueError(f"sharded_lookup: num_rows={num_rows} is not divisible by the {num_shards} shards "
+                     f"of axes {axes}")
+  rows_per_shard = num_rows // num_shards
+  if table_VlxE.shape[0] != rows_per_shard:
+    raise ValueError(f"sharded_lookup: table block has {table_VlxE.shape[0]} rows, expected "
+                     f"num_rows / shards = {num_rows} / {num_shards} = {rows_per_shard}")
+
+  with jax.named_scope("embedding_lookup"):
+    ids_N = jnp.reshape(ids, (-1,)).astype(jnp.int32)
+    n = ids_N.shape[0]
+    # No bucket can hold more than N unique ids, so a larger capacity only pads the wire.
+    capacity = int(min(capacity, n))
+    valid_N = (ids_N >= 0) & (ids_N < num_rows)
+    # Every invalid id becomes `num_rows`, so they collapse into one unique entry that sorts last.
+    uniq_U, inv_N = jnp.unique(jnp.where(valid_N, ids_N, num_rows), size=n, fill_value=num_rows,
+                               return_inverse=True)
+    inv_N = jnp.reshape(inv_N, (n,))
+    valid_U = uniq_U < num_rows
+    owner_U = jnp.where(valid_U, uniq_U // rows_per_shard, 0)
+    local_U = uniq_U - owner_U * rows_per_shard
+    # Owners are sorted, so an id's rank in its bucket is its distance from the bucket's first id.
+    start_U = jnp.searchsorted(uniq_U, owner_U * rows_per_shard, side="left")
+    slot_U = jnp.arange(n, dtype=jnp.int32) - start_U.astype(jnp.int32)
+    count_P = jnp.zeros((num_shards,), jnp.int32).at[owner_U].add(valid_U.astype(jnp.int32))
+    me = jax.lax.axis_index(axes)
+
+    first_U = valid_U & (slot_U < capacity)
+    rows_UxE = _exchange(table_VlxE, local_U, owner_U, slot_U, first_U, axes=axes,
+                         num_shards=num_shards, capacity=capacity)
+
+    if capacity < n:
+      extra_U = valid_U & (slot_U >= capacity)
+      # One decision for every device: the fallback's all_to_alls must run everywhere or nowhere.
+      overflow = jax.lax.pmax(jnp.any(extra_U).astype(jnp.int32), uniform_axes)
+
+      def fallback(table_VlxE, rows_UxE):
+        extra_rows_UxE = _exchange(table_VlxE, local_U, owner_U, slot_U - capacity, extra_U, axes=axes,
+                                   num_shards=num_shards, capacity=n - capacity)
+        return jnp.where(extra_U[:, None], extra_rows_UxE, rows_UxE)
+
+      def keep(table_VlxE, rows_UxE):
+        return rows_UxE
+
+      rows_UxE = jax.lax.cond(overflow > 0, fallback, keep, table_VlxE, rows_UxE)
+    else:
+      overflow = jnp.zeros((), jnp.int32)
+
+    rows_NxE = jnp.where(valid_N[:, None], rows_UxE[inv_N], jnp.full((), jnp.nan, table_VlxE.dtype))
+    stats = {
+        "unique": jnp.sum(valid_U, dtype=jnp.int32),
+        "max_bucket": jnp.max(count_P),
+        "overflow": overflow,
+        "remote_unique": jnp.sum(valid_U & (owner_U != me), dtype=jnp.int32),
+    }
+  return jnp.reshape(rows_NxE, ids.shape + (table_VlxE.shape[1],)), stats
+
+
+def capacity_for(ids_per_shard: Sequence[np.ndarray], num_rows: int, num_shards: int, slack: float = 1.1,
+                 multiple: int = 8) -> int:
+  """Round-1 capacity for a table: >= slack x the most unique ids any data shard asks one owner for.
+
+  ids_per_shard: one array per data shard, all the ids that shard looks up in this table (any shape).
+  Ids outside [0, num_rows) are ignored (they are never sent). The result is >= 1 and a multiple of
+  `multiple`. Later batches may need more; `sharded_lookup` then takes its fallback round.
+  """
+  if num_shards < 1 or num_rows % num_shards:
+    raise ValueError(f"capacity_for: num_rows={num_rows} is not divisible by num_shards={num_shards}")
+  if slack < 1 or multiple < 1:
+    raise ValueError(f"capacity_for: need slack >= 1 and multiple >= 1, got slack={slack}, "
+                     f"multiple={multiple}")
+  rows_per_shard = num_rows // num_shards
+  worst = 0
+  for ids in ids_per_shard:
+    ids = np.asarray(ids).reshape(-1)
+    uniq = np.unique(ids[(ids >= 0) & (ids < num_rows)])
+    if uniq.size:
+      worst = max(worst, int(np.bincount(uniq // rows_per_shard, minlength=num_shards).max()))
+  # Round before ceil so 1.1 * 10 = 11.000000000000002 asks for 11, not 12.
+  need = max(1, math.ceil(round(slack * worst, 9)))
+  return -(-need // multiple) * multiple
+
+
+def ideal_bytes(remote_unique, dim: int, id_bytes: int = 4, row_bytes_per_elem: int = 4):
+  """Bytes a perfect lookup moves: each remote unique id goes out once and its row comes back once."""
+  return remote_unique * (id_bytes + dim * row_bytes_per_elem)

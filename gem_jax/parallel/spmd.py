@@ -1,0 +1,353 @@
+"""The SPMD train and eval steps: the whole model inside one shard_map over the five mesh axes.
+
+Placement (`plan`): every parameter's logical axis names (nnx `out_sharding` metadata) go through the
+rules table to a PartitionSpec. A dim whose size does not divide over its mesh axes stays whole
+(replicated) and the plan says so in `notes`; nothing is padded behind the user's back.
+
+Inside the step, one device (replica r, fsdp f, sparse s, context c, tensor t) holds data shard (r, f, s)
+of the batch and:
+  dense params  HSDP. Each is all-gathered over the axes that shard it (fsdp, tensor) just before use.
+                JAX transposes that all-gather into a reduce-scatter of the gradient; the parameter is
+                first marked as varying over the data axes it is replicated on (replica, sparse), so the
+                reduce-scatter runs first and the cross-replica all-reduce then moves 1/fsdp of the bytes:
+                the HSDP order.
+  tables        row blocks over `sparse` (2D sparse: replicated over the other axes). Lookups go through
+                gem_jax/parallel/sparse.py: ids to their owners and rows back with all-to-all, never the
+                table. Gradients reach the owning block; the cross-replica sum of a table block's
+                gradient is added by JAX's transpose of the implicit broadcast (an all-reduce).
+  loss          per-task BCE sums and counts are summed over the mesh before dividing, so the loss is that
+                of the global batch. Devices along context and tensor hold the same data shard, so the
+                sum over them counts it ctx * tensor times and is divided back; with that, every gradient
+                is the gradient of the global loss (tests/test_spmd.py compares with one device).
+The gradient is taken outside the shard_map and the optimizer update runs in the same jit on the sharded
+state (element-wise and per-row, so it partitions without moving parameters).
+
+This module must never gather a table, and never let two meshes compute different functions: the loss
+of a mesh run equals the one-device loss up to the order of additions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from gem_jax.data.batch import Batch
+from gem_jax.data.spec import FeatureSpec
+from gem_jax.model import embeddings as embeddings_lib
+from gem_jax.model.heads import loss_from_sums, multitask_sums
+from gem_jax.parallel import data as pdata
+from gem_jax.parallel import mesh as mesh_lib
+from gem_jax.parallel import sparse
+from gem_jax.parallel.mesh import MeshSpec
+from gem_jax.parallel.rules import DATA_AXES, MESH_AXES, Rules, logical_to_spec
+from gem_jax.train.step import TrainState
+from pallas_kernels import vma
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Where every parameter lives on the mesh."""
+  mesh: Mesh
+  spec: MeshSpec
+  rules: Rules
+  table_axes: dict[str, tuple[str, ...]]  # table name -> mesh axes sharding its rows; () = replicated
+  notes: tuple[str, ...]                  # placement decisions a user should know about
+  replicated_tables: frozenset = frozenset()
+
+  @property
+  def num_data_shards(self) -> int:
+    return math.prod(self.mesh.shape[a] for a in DATA_AXES)
+
+  @property
+  def redundancy(self) -> int:
+    """How many devices hold the same data shard (context x tensor)."""
+    return self.mesh.shape["context"] * self.mesh.shape["tensor"]
+
+  def spec_for(self, names, shape, where: str = "") -> P:
+    """PartitionSpec for an array with logical `names`; dims that do not divide stay whole."""
+    if names is None or len(names) != len(shape):
+      return P()
+    out = []
+    for dim, entry in zip(shape, logical_to_spec(names, self.rules)):
+      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      size = math.prod(self.mesh.shape[a] for a in axes)
+      out.append(entry if size > 1 and dim % size == 0 else None)
+    return P(*out)
+
+  def tree_specs(self, tree) -> Any:
+    """PartitionSpecs (a pytree prefix of `tree`) for params, optimizer state, or anything holding nnx
+    Variables; plain arrays (step counters) are replicated."""
+    def one(path, x):
+      if not _is_var(x):
+        return P()
+      if isinstance(x, embeddings_lib.Table) and str(_path_names(path)[-1]) in self.replicated_tables:
+        return P()  # tables and their row-wise optimizer state alike
+      return self.spec_for(x.get_metadata().get("out_sharding"), np.shape(x.get_value()))
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_var)
+
+  def shardings(self, tree) -> Any:
+    return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), self.tree_specs(tree),
+                                  is_leaf=lambda x: isinstance(x, P))
+
+
+def _path_names(path) -> list:
+  return [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
+
+
+# Tables at most this large are replicated instead of row sharded: an all-to-all round costs two
+# collective latencies per lookup, while a replicated small table costs only its (small) gradient sum.
+REPLICATE_TABLE_BYTES = 16 * 1024
+
+
+def plan(params, mesh: Mesh, mesh_spec: MeshSpec, replicate_table_bytes: int = REPLICATE_TABLE_BYTES) -> Plan:
+  """The placement of `params` (nnx.State of nnx.Param, tables included) on `mesh`.
+
+  Tables: row sharded by the rules (default over `sparse`) when the rows divide over those axes and the
+  table is larger than `replicate_table_bytes`; otherwise replicated (and said so in `notes`).
+  Table-wise placement (a mid-size table whole on one shard group) is not implemented.
+  """
+  rules = mesh_spec.rules
+  notes = []
+  table_axes = {}
+  probe = Plan(mesh, mesh_spec, rules, {}, ())
+  for path, var in jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_var):
+    names = var.get_metadata().get("out_sharding")
+    shape = np.shape(var.get_value())
+    key = jax.tree_util.keystr(path)
+    spec = probe.spec_for(names, shape)
+    value = var.get_value()
+    if isinstance(var, embeddings_lib.Table) and np.size(value) * value.dtype.itemsize <= replicate_table_bytes:
+      table_axes[str(_path_names(path)[-1])] = ()
+      continue
+    wanted = logical_to_spec(names, rules) if names is not None and len(names) == len(shape) else P()
+    for dim, (got, want) in enumerate(zip(tuple(spec) + (None,) * len(shape), tuple(wanted))):
+      if want is not None and got is None and math.prod(
+          mesh.shape[a] for a in ((want,) if isinstance(want, str) else want)) > 1:
+        notes.append(f"{key}: dim {dim} (size {shape[dim]}) does not divide over {want}; kept whole")
+    if isinstance(var, embeddings_lib.Table):
+      name = str(_path_names(path)[-1])
+      first = spec[0] if len(spec) else None
+      table_axes[name] = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+  small = sorted(t for t, axes in table_axes.items() if not axes)
+  if small:
+    notes.append(f"tables {small} are <= {replicate_table_bytes} bytes or do not divide: replicated")
+  return Plan(mesh, mesh_spec, rules, table_axes, tuple(notes), frozenset(small))
+
+
+def _gather_param(x, spec: P, vary_axes: tuple[str, ...]):
+  """The whole parameter from this device's block (HSDP all-gather; see the module docstring)."""
+  own = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+  vary = tuple(a for a in vary_axes if a not in own)
+  if vary:
+    x = jax.lax.pcast(x, vary, to="varying")
+  for dim, entry in enumerate(spec):
+    if entry is not None:
+      x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
+  return x
+
+
+def _local(batch: Batch) -> Batch:
+  return jax.tree_util.tree_map(lambda x: x[0], batch)
+
+
+def _lookup_fn(p: Plan, capacities: dict[str, int], stats: dict):
+  """The distributed lookup installed into the model while the step is traced."""
+  active = tuple(a for a in MESH_AXES if p.mesh.shape[a] > 1)
+
+  def fn(table: str, rows_VlxE, ids):
+    axes = p.table_axes.get(table, ())
+    if not axes:
+      return jnp.take(rows_VlxE, jnp.where(ids < 0, rows_VlxE.shape[0], ids), axis=0, mode="fill",
+                      fill_value=jnp.nan)
+    flat = ids.reshape(-1)
+    num_rows = rows_VlxE.shape[0] * math.prod(p.mesh.shape[a] for a in axes)
+    rows_NxE, st = sparse.sharded_lookup(rows_VlxE, flat, axes=axes, num_rows=num_rows,
+                                         capacity=capacities.get(table, max(1, flat.shape[0])),
+                                         uniform_axes=active)
+    stats.setdefault(table, []).append(st)
+    return rows_NxE.reshape(ids.shape + rows_VlxE.shape[1:])
+
+  return fn
+
+
+def _forward(graphdef, rest, params, specs, batch: Batch, p: Plan, capacities, stats):
+  """The model on this device's data shard; `specs` are the global parameter specs (inside shard_map
+  the arrays are local blocks, so specs cannot be recomputed from their shapes)."""
+  full = jax.tree_util.tree_map(
+      lambda var, s: var if isinstance(var, embeddings_lib.Table) else var.replace(
+          value=_gather_param(var.get_value(), s, DATA_AXES)),
+      params, specs, is_leaf=_is_var)
+  with embeddings_lib.lookup_override(_lookup_fn(p, capacities, stats)):
+    model = nnx.merge(graphdef, full, rest)
+    return model(batch)
+
+
+def _total(x, mesh: Mesh):
+  """The sum of x over data shards, once per shard. Devices along context / tensor that hold the same
+  shard may carry copies (typed varying once a tensor-sharded parameter touched them); psum adds the
+  copies too, so they are divided back out. Axes x does not vary over need no sum at all."""
+  axes = tuple(a for a in MESH_AXES if a in vma.varying_axes(x))
+  if not axes:
+    return x
+  copies = math.prod(mesh.shape[a] for a in axes if a not in DATA_AXES)
+  return jax.lax.psum(x, axes) / copies
+
+
+def _stat_metrics(stats: dict, p: Plan) -> dict:
+  """Per table (summed over its lookups): mesh-wide max overflow and per-device means of the counts."""
+  out = {}
+  for table, items in stats.items():
+    unique = sum(s["unique"] for s in items).astype(jnp.float32)
+    remote = sum(s["remote_unique"] for s in items).astype(jnp.float32)
+    overflow = sum(s["overflow"] for s in items)
+    out[f"emb/{table}/unique"] = _total(unique, p.mesh) / p.num_data_shards
+    out[f"emb/{table}/remote_unique"] = _total(remote, p.mesh) / p.num_data_shards
+    vary = tuple(a for a in MESH_AXES if a in vma.varying_axes(overflow))
+    out[f"emb/{table}/overflow"] = jax.lax.pmax(overflow, vary) if vary else overflow
+  return out
+
+
+def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, spec: FeatureSpec, p: Plan,
+                    state: TrainState, capacities: dict[str, int] | None = None) -> Callable:
+  """train_step(state, sharded batch) -> (state, metrics); `state` (placed by `place_state`) is donated.
+
+  capacities: per table, the per-destination slots of the lookup's all-to-all (sparse.capacity_for);
+  a lookup that needs more runs an exact fallback round and says so in `emb/<table>/overflow`.
+  """
+  capacities = dict(capacities or {})
+  param_specs = p.tree_specs(state.params)
+  batch_spec = P(DATA_AXES)
+
+  def body(params, batch):
+    stats: dict = {}
+    logits_BxK = _forward(graphdef, rest, params, param_specs, _local(batch), p, capacities, stats)
+    sum_K, examples, counts_K = multitask_sums(logits_BxK, _local(batch), spec)
+    total = lambda x: _total(x, p.mesh)
+    loss, per_task = loss_from_sums(total(sum_K), total(examples), total(counts_K), spec)
+    return loss, {**per_task, **_stat_metrics(stats, p)}
+
+  sharded_loss = jax.shard_map(body, mesh=p.mesh, in_specs=(param_specs, batch_spec), out_specs=(P(), P()))
+
+  def train_step(state: TrainState, batch: Batch):
+    (loss, aux), grads = jax.value_and_grad(sharded_loss, has_aux=True)(state.params, batch)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(grads)))
+    return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": grad_norm, **aux}
+
+  shardings = state_shardings(state, p)
+  return jax.jit(train_step, in_shardings=(shardings, NamedSharding(p.mesh, batch_spec)),
+                 out_shardings=(shardings, NamedSharding(p.mesh, P())), donate_argnums=0)
+
+
+def make_eval_step(graphdef, rest, p: Plan, params, capacities: dict[str, int] | None = None) -> Callable:
+  """eval_step(params, sharded batch) -> probs (S, b, K) float32, in the batch's shard order."""
+  capacities = dict(capacities or {})
+  param_specs = p.tree_specs(params)
+
+  def body(params, batch):
+    logits_BxK = _forward(graphdef, rest, params, param_specs, _local(batch), p, capacities, {})
+    return jax.nn.sigmoid(logits_BxK.astype(jnp.float32))[None]
+
+  # Every device returns its shard's probabilities (context/tensor copies included); keep one copy each.
+  per_device = jax.shard_map(body, mesh=p.mesh, in_specs=(param_specs, P(DATA_AXES)), out_specs=P(MESH_AXES))
+  shape = tuple(p.mesh.shape[a] for a in MESH_AXES)
+
+  def eval_step(params, batch):
+    probs = per_device(params, batch)
+    probs = probs.reshape(shape + probs.shape[1:])[:, :, :, 0, 0]
+    return probs.reshape((-1,) + probs.shape[3:])
+
+  # Replicated output: every process of a multi-process run can read all probabilities.
+  return jax.jit(eval_step, out_shardings=NamedSharding(p.mesh, P()))
+
+
+def state_shardings(state: TrainState, p: Plan) -> TrainState:
+  return TrainState(p.shardings(state.params), p.shardings(state.opt_state), NamedSharding(p.mesh, P()))
+
+
+def place_state(state: TrainState, p: Plan) -> TrainState:
+  """The train state laid out on the mesh (from host or one-device arrays)."""
+  shardings = state_shardings(state, p)
+
+  def put(x, s):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+
+  # The shardings tree is a prefix (one NamedSharding per nnx Variable): map inside each subtree.
+  return jax.tree_util.tree_map(lambda s, sub: jax.tree_util.tree_map(lambda x: put(x, s), sub),
+                                shardings, state, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def batch_capacities(sharded: Batch, spec: FeatureSpec, p: Plan, keep_last: int,
+                     slack: float = 1.1) -> dict[str, int]:
+  """Per row-sharded table, the all-to-all capacity for one host sharded batch (sparse.capacity_for)."""
+  S = np.asarray(sharded.domain_B).shape[0]
+  per_call: dict[str, list[list[np.ndarray]]] = {}
+  for f in spec.sparse:
+    if f.multi_hot:
+      jag = sharded.multi_hot[f.name]
+      values, offsets = np.asarray(jag.values), np.asarray(jag.offsets)
+      ids = [np.concatenate([values[s, :offsets[s, -1]], [0]]) for s in range(S)]
+    else:
+      ids = [np.asarray(sharded.sparse[f.name])[s] for s in range(S)]
+    per_call.setdefault(f.table, []).append(ids)
+  values, offsets = np.asarray(sharded.history.values), np.asarray(sharded.history.offsets)
+  for i, field in enumerate(spec.sequence.fields):
+    ids = []
+    for s in range(S):
+      rows = [values[s, max(lo, hi - keep_last):hi, i] for lo, hi in zip(offsets[s, :-1], offsets[s, 1:])]
+      ids.append(np.concatenate(rows + [np.zeros(1, values.dtype)]))
+    per_call.setdefault(field.table, []).append(ids)
+  out = {}
+  for table, calls in per_call.items():
+    axes = p.table_axes.get(table, ())
+    if axes:
+      owners = math.prod(p.mesh.shape[a] for a in axes)
+      out[table] = max(sparse.capacity_for(ids, spec.table(table).vocab_size, owners, slack) for ids in calls)
+  return out
+
+
+@dataclasses.dataclass
+class MeshRun:
+  """What the trainer needs to run on a mesh file: placed state, steps, and host batch -> device batch."""
+  plan: Plan
+  state: TrainState
+  train_step: Callable
+  eval_step: Callable
+  capacities: dict[str, int]
+  pipeline_cfg: Any
+  feature_spec: FeatureSpec
+
+  @classmethod
+  def create(cls, mesh_spec: MeshSpec, mesh: Mesh, graphdef, rest, optimizer, state: TrainState,
+             feature_spec: FeatureSpec, pipeline_cfg, keep_last: int, first_batch: Batch) -> "MeshRun":
+    mesh_lib.check_batch(mesh_spec, first_batch.batch_size)
+    p = plan(state.params, mesh, mesh_spec)
+    placed = place_state(state, p)
+    sharded = pdata.shard_batch(first_batch, feature_spec, pipeline_cfg, p.num_data_shards)
+    caps = batch_capacities(sharded, feature_spec, p, keep_last)
+    train_step = make_train_step(graphdef, rest, optimizer, feature_spec, p, placed, caps)
+    eval_step = make_eval_step(graphdef, rest, p, placed.params, caps)
+    return cls(p, placed, train_step, eval_step, caps, pipeline_cfg, feature_spec)
+
+  def shard(self, batch: Batch) -> Batch:
+    return pdata.shard_batch(batch, self.feature_spec, self.pipeline_cfg, self.plan.num_data_shards)
+
+  def place(self, sharded: Batch) -> Batch:
+    return pdata.place(sharded, self.plan.mesh, DATA_AXES)
+
+  def device_batch(self, batch: Batch) -> Batch:
+    return self.place(self.shard(batch))

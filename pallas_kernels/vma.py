@@ -1,0 +1,34 @@
+"""Loop carries that type-check inside shard_map.
+
+Under `jax.shard_map(check_vma=True)` every value carries the set of mesh axes it varies over, and a
+fori_loop / scan carry must keep its type through the body. A carry initialized with jnp.zeros is
+invariant while the body mixes in the (device-varying) inputs, so the kernels' CPU paths mark their
+initial carries as varying over every axis their inputs vary over. Outside shard_map this is a no-op.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def varying_axes(x) -> frozenset:
+  """The mesh axes x varies over. jax spells it `aval.vma` in some releases and
+  `aval.manual_axis_type.varying` in others (0.10), so read whichever exists."""
+  aval = jax.typeof(x)
+  found = getattr(aval, "vma", None)
+  if found is None:
+    found = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+  return frozenset(found or ())
+
+
+def like(init, *refs):
+  """`init` (a pytree) cast to vary over every mesh axis any of `refs` (arrays or None) varies over."""
+  axes = frozenset().union(*(varying_axes(r) for r in jax.tree_util.tree_leaves(refs)))
+  if not axes:
+    return init
+
+  def cast(x):
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree_util.tree_map(cast, init)
