@@ -16,7 +16,7 @@ from gem_jax.parallel.rules import DATA_AXES, MESH_AXES
 from gem_jax.parallel.sparse import capacity_for, ideal_bytes, sharded_lookup
 
 V, E, N = 64, 8, 40
-STAT_KEYS = ("unique", "max_bucket", "overflow", "remote_unique")
+STAT_KEYS = ("unique", "max_bucket", "overflow", "spill", "second", "last_resort", "remote_unique")
 
 
 def make_mesh(shape):
@@ -32,13 +32,13 @@ def table_shards(mesh, table_axes):
 
 
 @functools.lru_cache(maxsize=None)
-def lookup_fn(mesh, table_axes, capacity, with_loss=False, flat=True):
+def lookup_fn(mesh, table_axes, capacity, with_loss=False, flat=True, spill_fraction=0.125):
   """jit(shard_map): (table_VxE, ids_SxN[, w_SxNxE]) -> rows_SxNxE and per-shard stats (or the loss).
   flat=False passes the local ids as 1 x N (ids of any shape) instead of N."""
 
   def body(table_VlxE, ids_1xN, *w):
     rows, stats = sharded_lookup(table_VlxE, ids_1xN[0] if flat else ids_1xN, axes=table_axes, num_rows=V,
-                                 capacity=capacity, uniform_axes=MESH_AXES)
+                                 capacity=capacity, uniform_axes=MESH_AXES, spill_fraction=spill_fraction)
     rows_1xNxE = rows[None] if flat else rows
     if with_loss:
       return jnp.sum(rows_1xNxE * w[0])[None]
@@ -142,8 +142,12 @@ def test_overflow_takes_the_fallback_and_stays_exact(table_axes):
   ids = skewed_ids(rng, V // table_shards(mesh, table_axes))
   rows, stats = lookup_fn(mesh, table_axes, 2)(*place(mesh, table_axes, table, ids))
   np.testing.assert_array_equal(np.asarray(rows), reference_rows(table, ids))
-  # Only shard 0 overflows, yet every device must have run the fallback with it.
+  # Only shard 0 overflows, yet every device must have run the fallback with it: the spill round (one
+  # slot at capacity 2) is not enough, so the last-resort round runs too.
   np.testing.assert_array_equal(np.asarray(stats["overflow"]), 1)
+  np.testing.assert_array_equal(np.asarray(stats["spill"]), 1)
+  np.testing.assert_array_equal(np.asarray(stats["second"]), 1)
+  np.testing.assert_array_equal(np.asarray(stats["last_resort"]), 1)
   want = expected_stats(ids, mesh, table_axes)
   assert want["max_bucket"][0] > 2 and np.all(want["max_bucket"][1:] <= 2)
   for k, v in want.items():
@@ -222,3 +226,18 @@ def test_ideal_bytes_counts_ids_out_and_rows_back():
   assert ideal_bytes(10, 8) == 10 * (4 + 32)
   assert ideal_bytes(3, 16, id_bytes=4, row_bytes_per_elem=2) == 3 * (4 + 32)
   np.testing.assert_array_equal(ideal_bytes(jnp.array([0, 2], jnp.int32), 4), [0, 40])
+
+
+def test_small_overflow_takes_only_the_spill_round():
+  mesh = make_mesh((2, 2, 2, 1, 1))
+  rng = np.random.default_rng(5)
+  table = rng.standard_normal((V, E)).astype(np.float32)
+  ids = rng.choice(np.array([0, 1, V // 2 + 1, V - 1], np.int32), (8, N))  # <= 2 per owner
+  ids[5] = 0
+  ids[5, :9] = np.arange(9) + 2  # ids 0, 2..10: 10 distinct for owner 0 = capacity 8 + 2 spill slots
+  rows, stats = lookup_fn(mesh, ("sparse",), 8, spill_fraction=0.25)(*place(mesh, ("sparse",), table, ids))
+  np.testing.assert_array_equal(np.asarray(rows), reference_rows(table, ids))
+  assert expected_stats(ids, mesh, ("sparse",))["max_bucket"].max() == 10
+  np.testing.assert_array_equal(np.asarray(stats["spill"]), 1)
+  np.testing.assert_array_equal(np.asarray(stats["second"]), 0)
+  np.testing.assert_array_equal(np.asarray(stats["last_resort"]), 0)

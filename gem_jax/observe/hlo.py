@@ -121,7 +121,12 @@ class _Module:
   partitions: int
 
 
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+
 def _parse_instr(line: str) -> _Instr | None:
+  # Long operand and tuple lists carry position comments (`/*index=5*/%dot.69`); they are not operands.
+  line = _COMMENT.sub("", line)
   m = re.match(r"\s*(?:ROOT\s+)?" + _NAME + r"\s*=\s*", line)
   if not m:
     return None

@@ -13,9 +13,10 @@ Protocol (all of it inside `jax.named_scope("embedding_lookup")`, so profiles an
   3. Round 1: all_to_all the ids over `axes`; each owner gathers its rows for the ids it received
      (pad -> zeros) and all_to_all's the P x C x E rows back.
   4. Fallback: if any device anywhere has a bucket longer than C (a pmax over `uniform_axes` makes the
-     decision the same on every device, so no collective is left waiting), one more round under
-     `lax.cond` moves the overflowing ids with a capacity that holds all of them. Round 1 stays cheap
-     when C is sized for typical batches (`capacity_for`); skewed batches stay exact.
+     decision the same on every device, so no collective is left waiting), a spill round under
+     `lax.cond` moves the next ceil(spill_fraction * C) ids of every bucket; if that is still short, a
+     second round of C more, and only then a last-resort round with room for all the rest. Round 1 stays cheap when C is sized for typical batches
+     (`capacity_for`), a batch slightly over it pays a small extra round, and skewed batches stay exact.
 Gradients come from JAX: call `jax.grad` outside the shard_map and it transposes the all_to_alls, the
 gathers and the cond (the cotangent rows travel back to their owner and are scatter-added there).
 
@@ -63,18 +64,22 @@ def _exchange(table_VlxE, local_U, owner_U, slot_U, send_U, *, axes, num_shards,
 
 
 def sharded_lookup(table_VlxE: jax.Array, ids: jax.Array, *, axes: str | Sequence[str], num_rows: int,
-                   capacity: int, uniform_axes: Sequence[str]) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   capacity: int, uniform_axes: Sequence[str],
+                   spill_fraction: float = 0.125) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Rows of a row-sharded table for this device's ids; call inside `jax.shard_map`.
 
   table_VlxE: this device's block of the table (Vl = num_rows / P rows), sharded P(axes, None).
   ids: int ids of any shape (N = ids.size). Ids in [0, num_rows) read their row exactly; others a NaN row.
   axes: the mesh axes the table rows are sharded over, outermost first (as in its PartitionSpec).
-  capacity: ids per destination in round 1 (`capacity_for` sizes it); larger buckets take the fallback.
+  capacity: ids per destination in round 1 (`capacity_for` sizes it); larger buckets take the fallback:
+    a spill round of ceil(spill_fraction * capacity) more slots, then (if still short) a second round
+    of `capacity`, then a last-resort round with room for all remaining ids.
   uniform_axes: the mesh axes over which the fallback decision is made uniform; must hold all of `axes`
     (pass every mesh axis of the shard_map, so every device takes the same branch).
   Returns (rows, stats): rows has shape ids.shape + (E,) in the table's dtype; stats are int32 scalars
   local to this device: "unique" (distinct valid ids), "max_bucket" (most unique ids for one owner),
-  "overflow" (1 if the fallback round ran), "remote_unique" (distinct valid ids owned by another shard).
+  "overflow" (1 if any fallback round ran), "spill" / "second" / "last_resort" (1 if that round ran),
+  "remote_unique" (distinct valid ids owned by another shard).
   """
   axes = _as_axes(axes)
   uniform_axes = _as_axes(uniform_axes)
@@ -118,28 +123,41 @@ def sharded_lookup(table_VlxE: jax.Array, ids: jax.Array, *, axes: str | Sequenc
     rows_UxE = _exchange(table_VlxE, local_U, owner_U, slot_U, first_U, axes=axes,
                          num_shards=num_shards, capacity=capacity)
 
-    if capacity < n:
-      extra_U = valid_U & (slot_U >= capacity)
-      # One decision for every device: the fallback's all_to_alls must run everywhere or nowhere.
-      overflow = jax.lax.pmax(jnp.any(extra_U).astype(jnp.int32), uniform_axes)
+    # Overflow tiers: a small spill round (typical excess over a capacity sized on one batch), then a
+    # last-resort round with room for every remaining id. Each runs only when some device needs it.
+    spill = int(min(max(1, math.ceil(spill_fraction * capacity)), n - capacity))
+    again = int(min(capacity, n - capacity - spill))
+    tiers = [("spill", capacity, spill), ("second", capacity + spill, again),
+             ("last_resort", capacity + spill + again, n - capacity - spill - again)]
+    ran = {}
+    for name, lo, size in tiers:
+      if size <= 0:
+        ran[name] = jnp.zeros((), jnp.int32)
+        continue
+      extra_U = valid_U & (slot_U >= lo) & (slot_U < lo + size)
+      # One decision for every device: the round's all_to_alls must run everywhere or nowhere.
+      ran[name] = jax.lax.pmax(jnp.any(extra_U).astype(jnp.int32), uniform_axes)
 
-      def fallback(table_VlxE, rows_UxE):
-        extra_rows_UxE = _exchange(table_VlxE, local_U, owner_U, slot_U - capacity, extra_U, axes=axes,
-                                   num_shards=num_shards, capacity=n - capacity)
+      def more(table_VlxE, rows_UxE, extra_U=extra_U, lo=lo, size=size, name=name):
+        with jax.named_scope(name):
+          extra_rows_UxE = _exchange(table_VlxE, local_U, owner_U, slot_U - lo, extra_U, axes=axes,
+                                     num_shards=num_shards, capacity=size)
         return jnp.where(extra_U[:, None], extra_rows_UxE, rows_UxE)
 
       def keep(table_VlxE, rows_UxE):
         return rows_UxE
 
-      rows_UxE = jax.lax.cond(overflow > 0, fallback, keep, table_VlxE, rows_UxE)
-    else:
-      overflow = jnp.zeros((), jnp.int32)
+      rows_UxE = jax.lax.cond(ran[name] > 0, more, keep, table_VlxE, rows_UxE)
+    overflow = jnp.maximum(jnp.maximum(ran["spill"], ran["second"]), ran["last_resort"])
 
     rows_NxE = jnp.where(valid_N[:, None], rows_UxE[inv_N], jnp.full((), jnp.nan, table_VlxE.dtype))
     stats = {
         "unique": jnp.sum(valid_U, dtype=jnp.int32),
         "max_bucket": jnp.max(count_P),
         "overflow": overflow,
+        "spill": ran["spill"],
+        "second": ran["second"],
+        "last_resort": ran["last_resort"],
         "remote_unique": jnp.sum(valid_U & (owner_U != me), dtype=jnp.int32),
     }
   return jnp.reshape(rows_NxE, ids.shape + (table_VlxE.shape[1],)), stats

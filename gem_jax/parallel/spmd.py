@@ -146,12 +146,18 @@ def plan(params, mesh: Mesh, mesh_spec: MeshSpec, replicate_table_bytes: int = R
   return Plan(mesh, mesh_spec, rules, table_axes, tuple(notes), frozenset(small))
 
 
-def _gather_param(x, spec: P, vary_axes: tuple[str, ...]):
-  """The whole parameter from this device's block (HSDP all-gather; see the module docstring)."""
+def _gather_param(x, spec: P, vary_axes: tuple[str, ...], gather: bool = True):
+  """The whole parameter from this device's block (HSDP all-gather; see the module docstring).
+
+  The block is first marked varying over every other active axis: JAX then transposes the gather into
+  reduce-scatter(block) followed by one all-reduce of the block over the other axes, instead of summing
+  the whole gathered gradient over them first (n_s times the bytes)."""
   own = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
   vary = tuple(a for a in vary_axes if a not in own)
   if vary:
     x = jax.lax.pcast(x, vary, to="varying")
+  if not gather:
+    return x
   for dim, entry in enumerate(spec):
     if entry is not None:
       x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
@@ -173,10 +179,12 @@ def _lookup_fn(p: Plan, capacities: dict[str, int], stats: dict):
                       fill_value=jnp.nan)
     flat = ids.reshape(-1)
     num_rows = rows_VlxE.shape[0] * math.prod(p.mesh.shape[a] for a in axes)
-    rows_NxE, st = sparse.sharded_lookup(rows_VlxE, flat, axes=axes, num_rows=num_rows,
-                                         capacity=capacities.get(table, max(1, flat.shape[0])),
-                                         uniform_axes=active)
-    stats.setdefault(table, []).append(st)
+    # Sized per (table, ids per call) by batch_capacities; an unknown call gets room for all its ids.
+    call = f"{table}/{flat.shape[0]}"  # a lookup call: its table and how many ids it reads
+    with jax.named_scope(f"table={call}"):  # HLO op names say which call a collective serves
+      rows_NxE, st = sparse.sharded_lookup(rows_VlxE, flat, axes=axes, num_rows=num_rows,
+                                           capacity=capacities.get(call, flat.shape[0]), uniform_axes=active)
+    stats.setdefault(call, []).append(st)
     return rows_NxE.reshape(ids.shape + rows_VlxE.shape[1:])
 
   return fn
@@ -185,10 +193,19 @@ def _lookup_fn(p: Plan, capacities: dict[str, int], stats: dict):
 def _forward(graphdef, rest, params, specs, batch: Batch, p: Plan, capacities, stats):
   """The model on this device's data shard; `specs` are the global parameter specs (inside shard_map
   the arrays are local blocks, so specs cannot be recomputed from their shapes)."""
-  full = jax.tree_util.tree_map(
-      lambda var, s: var if isinstance(var, embeddings_lib.Table) else var.replace(
-          value=_gather_param(var.get_value(), s, DATA_AXES)),
-      params, specs, is_leaf=_is_var)
+  # Every axis, size 1 included: then all parameters enter the model with one vma type (varying over the
+  # whole mesh), which custom_vjp kernels need (their cotangents must match their inputs' types).
+  active = MESH_AXES
+
+  def prepare(var, spec):
+    if isinstance(var, embeddings_lib.Table):
+      # Varying from the start, so that the gradients of all lookups of a table add up locally and its
+      # cross-replica sum is one all-reduce at the end (not one per lookup, nor one in the fallback).
+      return var.replace(value=_gather_param(var.get_value(), P(spec[0]) if len(spec) else P(), active,
+                                             gather=False))
+    return var.replace(value=_gather_param(var.get_value(), spec, active))
+
+  full = jax.tree_util.tree_map(prepare, params, specs, is_leaf=_is_var)
   with embeddings_lib.lookup_override(_lookup_fn(p, capacities, stats)):
     model = nnx.merge(graphdef, full, rest)
     return model(batch)
@@ -206,16 +223,17 @@ def _total(x, mesh: Mesh):
 
 
 def _stat_metrics(stats: dict, p: Plan) -> dict:
-  """Per table (summed over its lookups): mesh-wide max overflow and per-device means of the counts."""
+  """Per lookup call ("table/N"): which fallback rounds ran anywhere, and per-device means of the counts."""
   out = {}
-  for table, items in stats.items():
+  for call, items in stats.items():
     unique = sum(s["unique"] for s in items).astype(jnp.float32)
     remote = sum(s["remote_unique"] for s in items).astype(jnp.float32)
-    overflow = sum(s["overflow"] for s in items)
-    out[f"emb/{table}/unique"] = _total(unique, p.mesh) / p.num_data_shards
-    out[f"emb/{table}/remote_unique"] = _total(remote, p.mesh) / p.num_data_shards
-    vary = tuple(a for a in MESH_AXES if a in vma.varying_axes(overflow))
-    out[f"emb/{table}/overflow"] = jax.lax.pmax(overflow, vary) if vary else overflow
+    for key in ("overflow", "spill", "second", "last_resort"):
+      ran = sum(s[key] for s in items)
+      vary = tuple(a for a in MESH_AXES if a in vma.varying_axes(ran))
+      out[f"emb/{call}/{key}"] = jax.lax.pmax(ran, vary) if vary else ran
+    out[f"emb/{call}/unique"] = _total(unique, p.mesh) / p.num_data_shards
+    out[f"emb/{call}/remote_unique"] = _total(remote, p.mesh) / p.num_data_shards
   return out
 
 
@@ -292,31 +310,39 @@ def place_state(state: TrainState, p: Plan) -> TrainState:
 
 
 def batch_capacities(sharded: Batch, spec: FeatureSpec, p: Plan, keep_last: int,
-                     slack: float = 1.1) -> dict[str, int]:
-  """Per row-sharded table, the all-to-all capacity for one host sharded batch (sparse.capacity_for)."""
-  S = np.asarray(sharded.domain_B).shape[0]
-  per_call: dict[str, list[list[np.ndarray]]] = {}
+                     slack: float = 1.05, multiple: int = 1) -> dict[str, int]:
+  """All-to-all capacities for one host sharded batch, keyed "table/N" by the table and the number of ids
+  N of the model's lookup call (the candidate ad id and the history's ad ids read one table with very
+  different counts). See sparse.capacity_for."""
+  S, b = np.asarray(sharded.domain_B).shape
+  calls: dict[str, list[list[np.ndarray]]] = {}
+
+  def add(table, n, ids):
+    calls.setdefault(f"{table}/{n}", []).append(ids)
+
   for f in spec.sparse:
     if f.multi_hot:
       jag = sharded.multi_hot[f.name]
       values, offsets = np.asarray(jag.values), np.asarray(jag.offsets)
-      ids = [np.concatenate([values[s, :offsets[s, -1]], [0]]) for s in range(S)]
+      add(f.table, values.shape[1], [np.concatenate([values[s, :offsets[s, -1]], [0]]) for s in range(S)])
     else:
-      ids = [np.asarray(sharded.sparse[f.name])[s] for s in range(S)]
-    per_call.setdefault(f.table, []).append(ids)
+      add(f.table, b, [np.asarray(sharded.sparse[f.name])[s] for s in range(S)])
   values, offsets = np.asarray(sharded.history.values), np.asarray(sharded.history.offsets)
+  n_hist = min(values.shape[1], b * keep_last)  # jagged.keep_last's capacity
   for i, field in enumerate(spec.sequence.fields):
     ids = []
     for s in range(S):
       rows = [values[s, max(lo, hi - keep_last):hi, i] for lo, hi in zip(offsets[s, :-1], offsets[s, 1:])]
-      ids.append(np.concatenate(rows + [np.zeros(1, values.dtype)]))
-    per_call.setdefault(field.table, []).append(ids)
+      ids.append(np.concatenate(rows + [np.zeros(1, values.dtype)]))  # padding slots read id 0
+    add(field.table, n_hist, ids)
   out = {}
-  for table, calls in per_call.items():
+  for key, per_call in calls.items():
+    table = key.rsplit("/", 1)[0]
     axes = p.table_axes.get(table, ())
     if axes:
       owners = math.prod(p.mesh.shape[a] for a in axes)
-      out[table] = max(sparse.capacity_for(ids, spec.table(table).vocab_size, owners, slack) for ids in calls)
+      out[key] = max(sparse.capacity_for(ids, spec.table(table).vocab_size, owners, slack, multiple)
+                     for ids in per_call)
   return out
 
 
@@ -333,12 +359,13 @@ class MeshRun:
 
   @classmethod
   def create(cls, mesh_spec: MeshSpec, mesh: Mesh, graphdef, rest, optimizer, state: TrainState,
-             feature_spec: FeatureSpec, pipeline_cfg, keep_last: int, first_batch: Batch) -> "MeshRun":
+             feature_spec: FeatureSpec, pipeline_cfg, keep_last: int, first_batch: Batch,
+             capacity_slack: float = 1.05, capacity_multiple: int = 1) -> "MeshRun":
     mesh_lib.check_batch(mesh_spec, first_batch.batch_size)
     p = plan(state.params, mesh, mesh_spec)
     placed = place_state(state, p)
     sharded = pdata.shard_batch(first_batch, feature_spec, pipeline_cfg, p.num_data_shards)
-    caps = batch_capacities(sharded, feature_spec, p, keep_last)
+    caps = batch_capacities(sharded, feature_spec, p, keep_last, capacity_slack, capacity_multiple)
     train_step = make_train_step(graphdef, rest, optimizer, feature_spec, p, placed, caps)
     eval_step = make_eval_step(graphdef, rest, p, placed.params, caps)
     return cls(p, placed, train_step, eval_step, caps, pipeline_cfg, feature_spec)
@@ -351,3 +378,38 @@ class MeshRun:
 
   def device_batch(self, batch: Batch) -> Batch:
     return self.place(self.shard(batch))
+
+
+def analytic_comm(p: Plan, params) -> dict[str, float]:
+  """Bytes per device per train step that the placement implies for parameters (not lookups).
+
+  For a dense parameter of W bytes sharded over axes of total size n_s (its block is W / n_s):
+    all-gather     W (n_s - 1) / n_s      the forward gather of its blocks
+    reduce-scatter W (n_s - 1) / n_s      the transposed gather on its gradient
+    all-reduce     2 (W / n_s)(n_r - 1) / n_r   over the n_r devices of every other mesh axis of size
+                                          > 1 (data axes it is replicated on, and context / tensor,
+                                          whose devices hold copies): a ring all-reduce of the block
+  A row-sharded table only has the all-reduce of its block's gradient over the axes it is replicated
+  on ("table_grad_sync"); a replicated table all-reduces all of it. The embedding all-to-alls are
+  measured separately against the ideal ids-and-rows volume (sparse.ideal_bytes).
+  """
+  specs = p.tree_specs(params)
+  out = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0, "table_grad_sync": 0.0}
+  shape = p.mesh.shape
+  leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_var)
+  spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  for (path, var), spec in zip(leaves, spec_leaves):
+    value = var.get_value()
+    w = float(np.size(value) * value.dtype.itemsize)
+    own = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    n_s = math.prod(shape[a] for a in own)
+    n_r = math.prod(shape[a] for a in MESH_AXES if a not in own)
+    reduce = 2.0 * (w / n_s) * (n_r - 1) / n_r
+    if isinstance(var, embeddings_lib.Table):
+      out["table_grad_sync"] += reduce
+    else:
+      out["all-gather"] += w * (n_s - 1) / n_s
+      out["reduce-scatter"] += w * (n_s - 1) / n_s
+      out["all-reduce"] += reduce
+  out["dense_total"] = out["all-gather"] + out["reduce-scatter"] + out["all-reduce"]
+  return out
