@@ -13,8 +13,10 @@ Per mesh, sweep.json holds:
   comm.by_kind/by_axis   bytes leaving one device per step, by collective kind and by mesh axes, parsed from
                          the compiled HLO (collectives in the lookup's fallback branch are listed apart and
                          counted only on the steps it ran)
-  comm.dense             measured parameter traffic (everything but the lookups and scalars) next to the
-                         analytic HSDP volume of the placement (gem_jax/parallel/spmd.py analytic_comm)
+  comm.dense             measured parameter traffic (everything but the lookups, the tensor-parallel
+                         activation sums and scalars) next to the analytic HSDP volume of the placement
+                         (gem_jax/parallel/spmd.py analytic_comm)
+  comm.tensor_parallel_bytes  the all-reduces of the tensor-parallel pairs (forward and backward)
   embedding              all-to-all bytes of the lookups (forward, and backward), the ideal bytes (distinct
                          remote ids out + their rows back, per device, from the step's own counts) and
                          embedding_comm_ratio = forward bytes / ideal
@@ -79,7 +81,8 @@ def sweep_one(path: str, cfg, batches, args) -> dict:
   lookup = hlo.select(colls, op_name_contains="embedding_lookup")
   fwd = [c for c in lookup if "transpose(" not in c.op_name and not c.conditional]
   bwd = [c for c in lookup if "transpose(" in c.op_name and not c.conditional]
-  other = [c for c in colls if c not in lookup]
+  tensor_parallel = hlo.select(colls, op_name_contains="tensor_parallel")
+  other = [c for c in colls if c not in lookup and c not in tensor_parallel]
   params_like = [c for c in other if not _is_scalar_collective(c)]
   # Lookup calls ("table/N"), each with its table's row width.
   calls = {c: spec.table(c.rsplit("/", 1)[0]).dim for c in run.capacities}
@@ -116,6 +119,8 @@ def sweep_one(path: str, cfg, batches, args) -> dict:
                     "ratio": measured_params / expected_params if expected_params else None,
                     "analytic": analytic,
                     "measured_by_kind": hlo.summarize(params_like)["by_kind"]},
+          # Activations of the tensor-parallel pairs (forward partial sums and their backward).
+          "tensor_parallel_bytes": moved(tensor_parallel),
       },
       "embedding": {
           "forward_all_to_all_bytes": fwd_bytes,

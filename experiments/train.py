@@ -7,7 +7,7 @@
 
 Multi-process (one command per process; on SLURM or Open MPI, JAX finds the coordinator itself):
   python experiments/train.py --mesh meshes/cpu_8.yaml --coordinator localhost:12355 \\
-      --num-processes 2 --process-id 0 --local-devices 4 ...
+      --num-processes 2 --process-id 0 ...      # and --process-id 1; each process gets 4 of the 8 devices
 """
 
 import argparse
@@ -46,7 +46,9 @@ def main(argv=None) -> int:
   from gem_jax.parallel import distributed
   cpu_devices = args.local_devices
   if cpu_devices is None and args.mesh and os.environ.get("JAX_PLATFORMS", "cpu").startswith("cpu"):
-    cpu_devices = _mesh_devices(args.mesh)
+    # The mesh's devices, split evenly over the processes of the run.
+    processes = args.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "1"))
+    cpu_devices = _mesh_devices(args.mesh) // processes
   distributed.setup(distributed.ProcessSetup.from_env(
       coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id,
       cpu_devices=cpu_devices))
@@ -58,8 +60,10 @@ def main(argv=None) -> int:
   if args.mesh:
     cfg = apply_overrides(cfg, [f"mesh={args.mesh}"])
   summary = train(cfg, args.out, resume=args.resume, progress=not args.no_progress)
-  print(json.dumps({"steps": summary["steps"], "examples_per_s": summary["examples_per_s"],
-                    "tasks": summary["tasks"]}, indent=2))
+  import jax
+  if jax.process_index() == 0:
+      print(json.dumps({"steps": summary["steps"], "examples_per_s": summary["examples_per_s"],
+                      "tasks": summary["tasks"]}, indent=2))
   return 0
 
 

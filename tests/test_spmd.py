@@ -101,7 +101,9 @@ def test_lookup_moves_ids_and_rows_never_tables(setup):
 
 def test_parameter_traffic_is_the_hsdp_volume(setup):
   colls = hlo.collectives(setup["compiled"].as_text(), setup["mesh"])
-  params = [c for c in colls if "embedding_lookup" not in c.op_name and c.operand_bytes > 64]
+  # Everything but the lookups, the tensor-parallel activation sums and scalars (loss, counts, norms).
+  skip = ("embedding_lookup", "tensor_parallel")
+  params = [c for c in colls if not any(k in c.op_name for k in skip) and c.operand_bytes > 64]
   measured = sum(c.moved_bytes * c.count for c in params)
   analytic = spmd.analytic_comm(setup["run"].plan, setup["params_host"])
   expected = analytic["dense_total"] + analytic["table_grad_sync"]
@@ -109,6 +111,18 @@ def test_parameter_traffic_is_the_hsdp_volume(setup):
   by_kind = hlo.summarize(params)["by_kind"]
   assert abs(by_kind["all-gather"] / analytic["all-gather"] - 1) < 0.1
   assert abs(by_kind["reduce-scatter"] / analytic["reduce-scatter"] - 1) < 0.1
+
+
+def test_tensor_parallel_pairs_sum_over_tensor_only(setup):
+  """uvqk / out (and the Wukong and tower MLPs) run on slices: their weights are never gathered over
+  `tensor`, and their partial products are summed over `tensor` in the forward and backward pass."""
+  colls = hlo.collectives(setup["compiled"].as_text(), setup["mesh"])
+  tp = hlo.select(colls, op_name_contains="tensor_parallel")
+  assert tp and {c.axes for c in tp} == {("tensor",)} and {c.kind for c in tp} == {"all-reduce"}
+  assert any("transpose(" in c.op_name for c in tp) and any("transpose(" not in c.op_name for c in tp)
+  assert not [c for c in colls if c.kind == "all-gather" and "tensor" in c.axes]
+  kernel = setup["run"].state.params["layers"][0]["hstu"]["out"]["kernel"].get_value()
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
 
 
 def test_wrong_device_count_names_the_axes():

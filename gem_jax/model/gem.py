@@ -92,12 +92,13 @@ class GEM(nnx.Module):
     e, d = cfg.embed_dim, cfg.model_dim
     dim = lambda table: spec.table(table).dim
     self.embeddings = EmbeddingCollection(spec, cfg, rngs=rngs)
-    self.token_proj = Dense(sum(dim(f.table) for f in spec.sequence.fields), d, ("embed", "mlp"), cfg, rngs=rngs)
-    self.target_proj = Dense(sum(dim(f.table) for f in candidates), d, ("embed", "mlp"), cfg, rngs=rngs)
+    self.token_proj = Dense(sum(dim(f.table) for f in spec.sequence.fields), d, ("embed", "hidden"), cfg,
+                            rngs=rngs)
+    self.target_proj = Dense(sum(dim(f.table) for f in candidates), d, ("embed", "hidden"), cfg, rngs=rngs)
     # Sparse features whose table is not E wide get their own projection to E.
-    self.feature_proj = nnx.Dict({f.name: Dense(dim(f.table), e, ("embed", "mlp"), cfg, rngs=rngs)
+    self.feature_proj = nnx.Dict({f.name: Dense(dim(f.table), e, ("embed", "hidden"), cfg, rngs=rngs)
                                   for f in spec.sparse if dim(f.table) != e})
-    self.dense_proj = Dense(spec.dense_dim, e, ("embed", "mlp"), cfg, rngs=rngs) if spec.dense_dim else None
+    self.dense_proj = Dense(spec.dense_dim, e, ("embed", "hidden"), cfg, rngs=rngs) if spec.dense_dim else None
     num_state = len(spec.sparse) + (1 if spec.dense_dim else 0)
     layers = []
     for layer in range(cfg.num_layers):

@@ -25,7 +25,7 @@ from flax import nnx
 from gem_jax.data.batch import Batch
 from gem_jax.data.spec import FeatureSpec
 from gem_jax.model.config import ModelConfig
-from gem_jax.model.layers import Dense, LayerNorm, sharded
+from gem_jax.model.layers import Dense, LayerNorm, sharded, tensor_sum
 
 
 class MultiDomainHeads(nnx.Module):
@@ -47,7 +47,12 @@ class MultiDomainHeads(nnx.Module):
     # The towers run in f32: they are R small matmuls next to the logits, and XLA:CPU has no
     # bf16 x bf16 -> f32 batched dot.
     f32 = lambda p: p[...].astype(jnp.float32)
-    hidden_BxRxG = jax.nn.silu(jnp.einsum("bg,rgh->brh", shared_BxG, f32(self.w1_RxGxG)) + f32(self.b1_RxG)[None])
+    # Tensor parallel: trunk is column parallel and the towers' first matmul row parallel (w1 then holds
+    # this device's slice of G inputs): partial products are summed before the bias.
+    pre_BxRxG = jnp.einsum("bg,rgh->brh", shared_BxG, f32(self.w1_RxGxG))
+    if self.w1_RxGxG.shape[1] != self.trunk.out_features:
+      pre_BxRxG = tensor_sum(pre_BxRxG)
+    hidden_BxRxG = jax.nn.silu(pre_BxRxG + f32(self.b1_RxG)[None])
     logits_BxRxK = jnp.einsum("brg,rgk->brk", hidden_BxRxG, f32(self.w2_RxGxK)) + f32(self.b2_RxK)[None]
     domain_Bx1x1 = jnp.asarray(domain_B, jnp.int32)[:, None, None]
     return jnp.take_along_axis(logits_BxRxK, domain_Bx1x1, axis=1, mode="fill", fill_value=jnp.nan)[:, 0]

@@ -68,7 +68,7 @@ class SequenceSummary(nnx.Module):
     self.query_D = nnx.Param(sharded(nnx.initializers.normal(stddev=d ** -0.5), ("embed",))(
         rngs.params(), (d,), cfg.params_dtype))
     self.norm = LayerNorm(d, cfg, rngs=rngs)
-    self.proj = Dense(d, cfg.embed_dim, ("embed", "mlp"), cfg, rngs=rngs)
+    self.proj = Dense(d, cfg.embed_dim, ("embed", "hidden"), cfg, rngs=rngs)
 
   def __call__(self, ctx_BxCxD, history: Jagged):
     values_TxD = history.values
@@ -87,7 +87,7 @@ class NonSequenceSummary(nnx.Module):
   def __init__(self, num_features: int, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.num_features, self.embed_dim = num_features, cfg.embed_dim
     self.num_contextual, self.model_dim = cfg.hstu.num_contextual, cfg.model_dim
-    self.proj = (Dense(num_features * cfg.embed_dim, self.num_contextual * cfg.model_dim, ("embed", "mlp"),
+    self.proj = (Dense(num_features * cfg.embed_dim, self.num_contextual * cfg.model_dim, ("embed", "hidden"),
                        cfg, rngs=rngs) if self.num_contextual else None)
 
   def __call__(self, state_BxFxE):

@@ -4,17 +4,51 @@ Sharding metadata: every parameter is an nnx.Param (or a subclass) whose `out_sh
 tuple of logical names, one per dim (None: never sharded), created with eager_sharding=False so that a
 model can be built without a mesh; `rules.logical_to_spec(var.get_metadata()["out_sharding"])` gives the
 PartitionSpec. Nothing here names a mesh axis.
+
+Tensor parallelism (Megatron pairs). The logical axis "mlp" is the one dim that the rules shard over the
+`tensor` mesh axis and that the SPMD step does not gather: a Dense with names (..., "mlp") is then
+column parallel (its output holds this device's slice of the hidden dim) and the Dense that consumes it,
+names ("mlp", ...), is row parallel (a partial product, summed over the slices by `tensor_sum` before its
+bias). What lies between them must be per column (activations, per-head attention) or use a norm that
+sums its statistics with `tensor_sum` (LayerNorm(..., tensor_parallel=True)). A layer knows it holds a
+slice when its parameter is narrower than its declared size, so the same code runs whole on one device.
+`tensor_sum` is the identity until the SPMD step installs the real sum (`tensor_parallel`).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+import contextvars
+from typing import Callable, Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from gem_jax.model.config import ModelConfig
 from gem_jax.precision import fp8, policy
+
+
+_TENSOR_SUM: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("gem_jax_tensor_sum", default=None)
+
+
+@contextlib.contextmanager
+def tensor_parallel(sum_fn: Callable) -> Iterator[None]:
+  """Inside the block, `tensor_sum` adds partial results over the tensor-parallel slices with `sum_fn`."""
+  token = _TENSOR_SUM.set(sum_fn)
+  try:
+    yield
+  finally:
+    _TENSOR_SUM.reset(token)
+
+
+def tensor_sum(x):
+  """Sum of x over the tensor-parallel slices (the identity when there are none)."""
+  fn = _TENSOR_SUM.get()
+  if fn is None:
+    return x
+  with jax.named_scope("tensor_parallel"):
+    return fn(x)
 
 
 def sharded(init, names: Sequence[str | None]):
@@ -41,30 +75,59 @@ class Dense(nnx.Linear):
     self.recipe: str | None = None
     self.fp8_impl = "auto"
 
-  def _matmul(self, x, recipe: str | None):
-    if recipe is None:
+  def _matmul(self, x, recipe: str | None, bias: bool = True):
+    if recipe is None and bias:
       return super().__call__(x)
     x = x.astype(self.dtype)
-    y = fp8.dot_general(x, self.kernel[...].astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())),
-                        recipe=recipe, impl=self.fp8_impl)
-    if self.bias is not None:
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    kernel = self.kernel[...].astype(self.dtype)
+    if recipe is None:
+      y = jax.lax.dot_general(x, kernel, dims, preferred_element_type=jnp.float32)
+    else:
+      y = fp8.dot_general(x, kernel, dims, recipe=recipe, impl=self.fp8_impl)
+    if bias and self.bias is not None:
       y = y + self.bias[...].astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
     return y
 
   def __call__(self, x):
-    y = self._matmul(x, self.recipe)
-    return policy.intercept(self.site, x, y, lambda recipe: self._matmul(x, recipe)).astype(self.dtype)
+    if self.kernel.shape[0] == self.in_features:
+      y = self._matmul(x, self.recipe)
+      return policy.intercept(self.site, x, y, lambda recipe: self._matmul(x, recipe)).astype(self.dtype)
+    # Row parallel: this device holds a slice of the input dim; sum the partial products, then add the
+    # bias once.
+    y = self._matmul(x, self.recipe, bias=False)
+    y = policy.intercept(self.site, x, y, lambda recipe: self._matmul(x, recipe, bias=False))
+    y = tensor_sum(y.astype(jnp.float32))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
+    return y.astype(self.dtype)
 
 
 class LayerNorm(nnx.LayerNorm):
   """LayerNorm over the last dim, computed in f32 (norms are precision sensitive), output in the compute
-  dtype. Its scale and bias are small and replicated."""
+  dtype. Its scale and bias are small and replicated, except with tensor_parallel=True: then the normed
+  dim is the "mlp" dim of a column-parallel layer, the parameters are sliced like it, and the mean and
+  variance are sums over all slices (`tensor_sum`)."""
 
-  def __init__(self, num_features: int, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, num_features: int, cfg: ModelConfig, *, rngs: nnx.Rngs, tensor_parallel: bool = False):
+    names = ("mlp",) if tensor_parallel else (None,)
     super().__init__(num_features, epsilon=1e-5, dtype=jnp.float32, param_dtype=cfg.params_dtype,
-                     scale_init=sharded(nnx.initializers.ones_init(), (None,)),
-                     bias_init=sharded(nnx.initializers.zeros_init(), (None,)), rngs=rngs)
+                     scale_init=sharded(nnx.initializers.ones_init(), names),
+                     bias_init=sharded(nnx.initializers.zeros_init(), names), rngs=rngs)
     self.out_dtype = cfg.dtype
+    self.tensor_parallel = tensor_parallel
 
   def __call__(self, x):
-    return super().__call__(x.astype(jnp.float32)).astype(self.out_dtype)
+    if not self.tensor_parallel:
+      return super().__call__(x.astype(jnp.float32)).astype(self.out_dtype)
+    # Two-pass statistics over the whole (possibly sliced) dim; the same formula with or without slices.
+    x = x.astype(jnp.float32)
+    n = jnp.float32(self.num_features)
+    mean = tensor_sum(jnp.sum(x, axis=-1, keepdims=True)) / n
+    centered = x - mean
+    var = tensor_sum(jnp.sum(centered * centered, axis=-1, keepdims=True)) / n
+    y = centered * jax.lax.rsqrt(var + self.epsilon)
+    lead = (1,) * (y.ndim - 1)
+    y = y * self.scale[...].astype(jnp.float32).reshape(lead + (-1,)) + self.bias[...].astype(jnp.float32).reshape(
+        lead + (-1,))
+    return y.astype(self.out_dtype)

@@ -2,18 +2,24 @@
 
 A run is multi-process when it is given a coordinator (flags of experiments/train.py, or the
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID variables) or launched by a cluster
-manager JAX detects itself (SLURM with more than one task, Open MPI, Kubernetes with JAX's env). Every
-process then calls `jax.distributed.initialize` before touching a device; on CPU, collectives between
-processes go through gloo. Each process feeds the data shards of its own devices
-(gem_jax/parallel/data.py places only addressable shards).
+manager JAX detects itself (SLURM with more than one task, Open MPI). Every process then calls
+`jax.distributed.initialize` before touching a device; on CPU, collectives between processes go through
+gloo. Each process feeds the data shards of its own devices (gem_jax/parallel/data.py places only
+addressable shards), and only process 0 writes the run folder's logs (gem_jax/train/loop.py).
 
-This module must be used before any jax computation: the backend reads these settings once.
+On CPU, `cpu_devices` is the device count of *this* process: a 2-process run of an 8-device mesh gives
+each process 4. An XLA_FLAGS=--xla_force_host_platform_device_count already in the environment wins.
+
+This module must be used before any jax computation: the backend reads these settings once. It never
+starts a single-process run when the flags ask for several processes: incomplete flags raise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import warnings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,26 +43,46 @@ def _cluster_launched() -> bool:
   return (int(env.get("SLURM_NTASKS", "1")) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1)
 
 
+def check(s: ProcessSetup) -> None:
+  """Raises ValueError for flags that do not describe one run (without touching jax)."""
+  given = "(--num-processes / --process-id, or JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
+  if s.coordinator is not None:
+    if s.num_processes is None or s.process_id is None:
+      raise ValueError(f"coordinator {s.coordinator!r} needs the number of processes and this process's id "
+                       f"{given}; got num_processes={s.num_processes}, process_id={s.process_id}")
+    host, _, port = s.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+      raise ValueError(f"coordinator must be host:port (the address of process 0), got {s.coordinator!r}")
+  elif (s.num_processes is not None or s.process_id is not None) and not _cluster_launched():
+    # Without this, every process would silently train the whole run on its own.
+    raise ValueError(f"num_processes={s.num_processes}, process_id={s.process_id} given without a "
+                     "coordinator (--coordinator host:port, or JAX_COORDINATOR_ADDRESS)")
+  if s.num_processes is not None and s.num_processes < 1:
+    raise ValueError(f"num_processes must be >= 1, got {s.num_processes}")
+  if s.process_id is not None and s.num_processes is not None and not 0 <= s.process_id < s.num_processes:
+    raise ValueError(f"process_id must be in [0, {s.num_processes}), got {s.process_id}")
+  if s.cpu_devices is not None and s.cpu_devices < 1:
+    raise ValueError(f"cpu_devices must be >= 1, got {s.cpu_devices}")
+
+
 def setup(s: ProcessSetup) -> None:
   """Applies `s`: CPU device count, then jax.distributed.initialize when the run is multi-process."""
+  check(s)
   import jax
-  if s.cpu_devices is not None:
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-      pass  # the environment already fixed it (tests, users who know what they want)
-    else:
-      jax.config.update("jax_num_cpu_devices", int(s.cpu_devices))
-  explicit = s.coordinator is not None
-  if explicit and (s.num_processes is None or s.process_id is None):
-    raise ValueError("a coordinator address needs --num-processes and --process-id (or JAX_NUM_PROCESSES "
-                     "and JAX_PROCESS_ID)")
-  if not explicit and not _cluster_launched():
+  forced = re.search(r"xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+  if s.cpu_devices is not None and forced is None:
+    jax.config.update("jax_num_cpu_devices", int(s.cpu_devices))
+  elif s.cpu_devices is not None and int(forced.group(1)) != s.cpu_devices:
+    # Loud, because a launcher that passes its own XLA_FLAGS to every process silently multiplies the mesh.
+    warnings.warn(f"XLA_FLAGS gives this process {forced.group(1)} CPU devices; cpu_devices={s.cpu_devices} "
+                  "(--local-devices) is ignored", stacklevel=2)
+  if s.coordinator is None and not _cluster_launched():
     return
   if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or not _has_accelerator():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  if explicit:
-    jax.distributed.initialize(s.coordinator, s.num_processes, s.process_id)
-  else:
-    jax.distributed.initialize()
+  # Unset fields (a cluster launch) are detected by JAX from the cluster manager's environment.
+  jax.distributed.initialize(coordinator_address=s.coordinator, num_processes=s.num_processes,
+                             process_id=s.process_id)
 
 
 def _has_accelerator() -> bool:

@@ -8,7 +8,9 @@ Parameters
                replicated over `replica`, and its optimizer state is sharded like it)
   table_dim    embedding width: never sharded
   embed        the input dim of dense layers: HSDP, sharded over `fsdp`, replicated over `replica`
-  mlp          the wide output dim of dense layers: `tensor`
+  mlp          the hidden dim of a tensor-parallel pair (a column-parallel Dense into a row-parallel one,
+               gem_jax/model/layers.py): `tensor`, and never gathered
+  hidden       the output dim of a projection that is not part of such a pair: replicated
   heads        attention heads: `tensor`
   features     small per-feature dims (Wukong's feature axis, task/domain axes): replicated
 Activations
@@ -33,6 +35,7 @@ DEFAULT_RULES: Rules = (
     ("table_dim", None),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
+    ("hidden", None),
     ("heads", "tensor"),
     ("features", None),
     ("batch", DATA_AXES),

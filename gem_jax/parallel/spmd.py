@@ -6,7 +6,9 @@ rules table to a PartitionSpec. A dim whose size does not divide over its mesh a
 
 Inside the step, one device (replica r, fsdp f, sparse s, context c, tensor t) holds data shard (r, f, s)
 of the batch and:
-  dense params  HSDP. Each is all-gathered over the axes that shard it (fsdp, tensor) just before use.
+  dense params  HSDP. Each is all-gathered over the axes that shard it (fsdp) just before use; a dim
+                sharded over `tensor` alone is a tensor-parallel slice and stays one (the model's
+                column / row parallel layers sum their partial products with a psum over `tensor`).
                 JAX transposes that all-gather into a reduce-scatter of the gradient; the parameter is
                 first marked as varying over the data axes it is replicated on (replica, sparse), so the
                 reduce-scatter runs first and the cross-replica all-reduce then moves 1/fsdp of the bytes:
@@ -42,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gem_jax.data.batch import Batch
 from gem_jax.data.spec import FeatureSpec
 from gem_jax.model import embeddings as embeddings_lib
+from gem_jax.model import layers
 from gem_jax.model.heads import loss_from_sums, multitask_sums
 from gem_jax.parallel import data as pdata
 from gem_jax.parallel import mesh as mesh_lib
@@ -146,6 +149,9 @@ def plan(params, mesh: Mesh, mesh_spec: MeshSpec, replicate_table_bytes: int = R
   return Plan(mesh, mesh_spec, rules, table_axes, tuple(notes), frozenset(small))
 
 
+TP_AXIS = "tensor"  # a dim sharded over exactly this axis is a tensor-parallel slice (layers.py)
+
+
 def _gather_param(x, spec: P, vary_axes: tuple[str, ...], gather: bool = True):
   """The whole parameter from this device's block (HSDP all-gather; see the module docstring).
 
@@ -159,7 +165,7 @@ def _gather_param(x, spec: P, vary_axes: tuple[str, ...], gather: bool = True):
   if not gather:
     return x
   for dim, entry in enumerate(spec):
-    if entry is not None:
+    if entry is not None and entry != TP_AXIS:  # a tensor-parallel slice stays a slice
       x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
   return x
 
@@ -190,6 +196,12 @@ def _lookup_fn(p: Plan, capacities: dict[str, int], stats: dict):
   return fn
 
 
+def _tensor_sum(x):
+  """psum over the tensor axis, cast back to varying here, so that its transpose (the backward psum of
+  the column-parallel input gradient) is named with it in the HLO instead of appearing later unnamed."""
+  return jax.lax.pcast(jax.lax.psum(x, TP_AXIS), TP_AXIS, to="varying")
+
+
 def _forward(graphdef, rest, params, specs, batch: Batch, p: Plan, capacities, stats):
   """The model on this device's data shard; `specs` are the global parameter specs (inside shard_map
   the arrays are local blocks, so specs cannot be recomputed from their shapes)."""
@@ -206,7 +218,8 @@ def _forward(graphdef, rest, params, specs, batch: Batch, p: Plan, capacities, s
     return var.replace(value=_gather_param(var.get_value(), spec, active))
 
   full = jax.tree_util.tree_map(prepare, params, specs, is_leaf=_is_var)
-  with embeddings_lib.lookup_override(_lookup_fn(p, capacities, stats)):
+  with embeddings_lib.lookup_override(_lookup_fn(p, capacities, stats)), \
+       layers.tensor_parallel(_tensor_sum):
     model = nnx.merge(graphdef, full, rest)
     return model(batch)
 
@@ -405,11 +418,14 @@ def analytic_comm(p: Plan, params) -> dict[str, float]:
     n_s = math.prod(shape[a] for a in own)
     n_r = math.prod(shape[a] for a in MESH_AXES if a not in own)
     reduce = 2.0 * (w / n_s) * (n_r - 1) / n_r
+    # A tensor-parallel slice is gathered over the other axes only: W / n_t bytes, n_g = n_s / n_t ways.
+    n_t = shape[TP_AXIS] if TP_AXIS in tuple(spec) else 1
+    n_g = n_s // n_t
     if isinstance(var, embeddings_lib.Table):
       out["table_grad_sync"] += reduce
     else:
-      out["all-gather"] += w * (n_s - 1) / n_s
-      out["reduce-scatter"] += w * (n_s - 1) / n_s
+      out["all-gather"] += (w / n_t) * (n_g - 1) / n_g
+      out["reduce-scatter"] += (w / n_t) * (n_g - 1) / n_g
       out["all-reduce"] += reduce
   out["dense_total"] = out["all-gather"] + out["reduce-scatter"] + out["all-reduce"]
   return out

@@ -8,6 +8,10 @@ One checkpoint (a directory named by its step) holds three orbax items:
   prng    which PRNG implementation each typed key had; typed keys are stored as their uint32
           `jax.random.key_data` so that the array item holds only plain dtypes
 
+Multi-process runs: every process constructs the Checkpointer on the same directory (a filesystem all
+processes share) and calls save / restore / wait together; orbax coordinates them (each process writes
+its own shards, process 0 the JSON items and metadata, and a save commits once all are done).
+
 Restore is bit-exact: values, dtypes (bfloat16 included) and the pytree structure of the abstract target
 come back unchanged. This module never decides *what* to save (the train loop does) and never resumes
 silently from nothing: restoring from an empty directory or a missing step raises.
@@ -29,8 +33,9 @@ def _is_key(x) -> bool:
 
 
 def _abstract(x):
-  """A restore target leaf: shape, dtype and sharding (the first device when the leaf has none)."""
-  sharding = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  """A restore target leaf: shape, dtype and sharding (this process's first device when the leaf has
+  none: jax.devices()[0] belongs to process 0 only)."""
+  sharding = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 

@@ -6,6 +6,9 @@ has been dispatched. It writes into `out_dir`:
   checkpoints/    orbax checkpoints (train state + data iterator state), every train.checkpoint_every
   summary.json    steps, examples/s, and per task eval NE / AUC / calibration next to baseline_ne
                   (predicting the training base rate) and optimal_ne (the planted model, synthetic data)
+In a multi-process run every process runs this same function on the same global batches (each places
+only its own data shards) and takes part in every checkpoint; only process 0 writes metrics.jsonl,
+summary.json and the progress bar, so the run folder looks like that of a single-process run.
 """
 
 from __future__ import annotations
@@ -43,9 +46,13 @@ def _jsonable(tree) -> Any:
 
 class _JsonlWriter:
   """metrics.jsonl; on resume from step k, records past k (written after that checkpoint by the run that
-  stopped) are dropped so that every step appears once."""
+  stopped) are dropped so that every step appears once. path None: write nothing (processes other
+  than 0)."""
 
-  def __init__(self, path: str, resume_step: int | None):
+  def __init__(self, path: str | None, resume_step: int | None):
+    self._f = None
+    if path is None:
+      return
     kept = []
     if resume_step is not None and os.path.exists(path):
       with open(path) as f:
@@ -57,11 +64,13 @@ class _JsonlWriter:
     self._f.writelines(kept)
 
   def write(self, record: dict) -> None:
-    self._f.write(json.dumps(record) + "\n")
-    self._f.flush()
+    if self._f is not None:
+      self._f.write(json.dumps(record) + "\n")
+      self._f.flush()
 
   def close(self) -> None:
-    self._f.close()
+    if self._f is not None:
+      self._f.close()
 
 
 def evaluate(eval_step, params, batches, spec, device_batch=None) -> tuple[dict, dict]:
@@ -96,6 +105,7 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
   """
   os.makedirs(out_dir, exist_ok=True)
   tc, spec = cfg.train, cfg.data.spec
+  writes_files = jax.process_index() == 0
   t_start = time.perf_counter()
 
   # ---- data --------------------------------------------------------------------------------------
@@ -138,12 +148,13 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
   elif ckpt.latest_step() is not None:
     raise FileExistsError(f"{out_dir} already holds checkpoints (last step {ckpt.latest_step()}): pass "
                           "--resume to continue that run, or choose another --out")
-  log = _JsonlWriter(os.path.join(out_dir, "metrics.jsonl"), start_step if start_step > 0 else None)
+  log = _JsonlWriter(os.path.join(out_dir, "metrics.jsonl") if writes_files else None,
+                     start_step if start_step > 0 else None)
 
   # ---- loop --------------------------------------------------------------------------------------
   batch_size = cfg.data.pipeline.batch_size
   bar = None
-  if progress:
+  if progress and writes_files:
     from tqdm import tqdm
     bar = tqdm(total=tc.steps, initial=start_step, unit="step", dynamic_ncols=True)
   pending = None  # (step, metrics on device) of the last dispatched step, read one step later
@@ -236,8 +247,9 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
       "mean_history_length": history_tokens / max(examples, 1),
       "tasks": tasks,
   }
-  with open(os.path.join(out_dir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  if writes_files:
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
   return summary
 
 
@@ -256,6 +268,7 @@ def mesh_devices(mesh_spec) -> list:
     raise mesh_lib.MeshFileError(
         f"mesh {mesh_spec.name!r} needs {mesh_spec.num_devices} devices "
         f"({' x '.join(f'{a}={n}' for a, n in mesh_spec.axes)}), this run has {len(devices)} "
-        f"({jax.default_backend()}); on CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
-        f"{mesh_spec.num_devices} before jax is imported (experiments/train.py does)")
+        f"({jax.default_backend()}; {jax.process_count()} process(es), {jax.local_device_count()} in this "
+        f"one); on CPU give each process {mesh_spec.num_devices // jax.process_count()} (experiments/train.py "
+        "--local-devices, or XLA_FLAGS=--xla_force_host_platform_device_count=N before jax is imported)")
   return devices
