@@ -16,6 +16,7 @@ from typing import Callable
 import jax
 
 from pallas_kernels.hstu_attention import api as hstu_pallas
+from pallas_kernels.hstu_attention import query_block as hstu_query_block
 from pallas_kernels.hstu_attention import reference as hstu_reference
 from pallas_kernels.hstu_attention import tiled as hstu_tiled
 from pallas_kernels.jagged_softmax_attention import blocked as softmax_blocked
@@ -76,6 +77,17 @@ def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int,
   return fn(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, max_seq_len=max_seq_len, alpha=alpha,
             causal=causal, num_targets=num_targets, max_attn_len=max_attn_len,
             contextual_seq_len=contextual_seq_len, rel_bias_HxR=rel_bias_HxR)
+
+
+def hstu_attention_query_block(q_QxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, q_start, *, max_seq_len: int,
+                               alpha: float, causal: bool = True, num_targets=None, max_attn_len: int = 0,
+                               contextual_seq_len: int = 0, rel_bias_HxR=None):
+  """HSTU attention for the query slots q_start + [0, Q) against all T key slots (context parallelism);
+  the same values as those rows of hstu_attention. XLA only (pallas_kernels/hstu_attention/query_block.py)."""
+  return hstu_query_block.hstu_attention_query_block(
+      q_QxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, q_start, max_seq_len=max_seq_len, alpha=alpha, causal=causal,
+      num_targets=num_targets, max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len,
+      rel_bias_HxR=rel_bias_HxR)
 
 
 def jagged_softmax_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int, scale: float,

@@ -58,6 +58,7 @@ def setup():
     losses.append(float(m["loss"]))
     metrics.append(jax.device_get(m))
   return dict(cfg=cfg, run=run, compiled=compiled, mesh=mesh, losses=losses, ref_losses=ref_losses,
+              batches=batches, fresh=fresh,
               params=jax.device_get(nnx.to_pure_dict(state.params)), ref_params=ref_params, metrics=metrics,
               params_host=fresh()[2].params)
 
@@ -123,6 +124,27 @@ def test_tensor_parallel_pairs_sum_over_tensor_only(setup):
   assert not [c for c in colls if c.kind == "all-gather" and "tensor" in c.axes]
   kernel = setup["run"].state.params["layers"][0]["hstu"]["out"]["kernel"].get_value()
   assert kernel.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+
+
+def test_context_parallel_mesh_computes_the_one_device_function(setup):
+  """cpu_8_cp (fsdp 2, context 2, tensor 2): each HSTU layer splits its token slots over `context`,
+  gathers keys / values / outputs, and the losses are still the one-device losses."""
+  cfg = setup["cfg"]
+  mesh_spec = mesh_lib.load("meshes/cpu_8_cp.yaml")
+  mesh = mesh_lib.build_mesh(mesh_spec)
+  graphdef, rest, state, optimizer = setup["fresh"]()
+  run = spmd.MeshRun.create(mesh_spec, mesh, graphdef, rest, optimizer, state, cfg.data.spec,
+                            cfg.data.pipeline, cfg.model.hstu.keep_last[0], setup["batches"][0])
+  device_batches = [run.device_batch(b) for b in setup["batches"]]
+  compiled = run.train_step.lower(run.state, device_batches[0]).compile()
+  state, losses = run.state, []
+  for b in device_batches:
+    state, m = compiled(state, b)
+    losses.append(float(m["loss"]))
+  np.testing.assert_allclose(losses, setup["ref_losses"], rtol=1e-5)
+  cp = hlo.select(hlo.collectives(compiled.as_text(), mesh), op_name_contains="context_parallel")
+  assert cp and {c.axes for c in cp} == {("context",)}
+  assert {c.kind for c in cp} >= {"all-gather", "reduce-scatter"}  # forward gathers, their transposes
 
 
 def test_wrong_device_count_names_the_axes():

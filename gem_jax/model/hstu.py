@@ -7,6 +7,11 @@ Tensor parallel over heads (gem_jax/model/layers.py): the (u, v, q, k) projectio
 with head-major columns, attention runs on this device's heads, the norm sums its statistics over the
 head slices and the output projection is row parallel.
 
+Context parallel over tokens: each device projects and attends for one slice of the token slots, with
+the keys and values of all slices gathered (so attention still covers each query's whole row; the
+query-block attention in pallas_kernels/hstu_attention/query_block.py handles rows cut by a slice), and
+the outputs are gathered back. The rest of the GEM layer runs on the full layout.
+
 Each row is [C contextual tokens] ++ history ++ [num_targets candidate tokens]: the attention mask keeps
 history causal, lets contextual tokens see (and be seen by) the history, and lets the targets see
 everything before them but not each other (pallas_kernels/hstu_attention/reference.py has the exact
@@ -25,6 +30,7 @@ from flax import nnx
 from gem_jax import ops
 from gem_jax.jagged import Jagged
 from gem_jax.model.config import ModelConfig
+from gem_jax.model import layers
 from gem_jax.model.layers import Dense, LayerNorm, sharded
 
 
@@ -51,18 +57,46 @@ class HSTULayer(nnx.Module):
   def __call__(self, x: Jagged, num_targets_B=None) -> Jagged:
     """x: Jagged(T x D) rows laid out as in the module docstring -> Jagged(T x D), same offsets.
     Padding slots of the output hold no meaning (callers read real tokens only)."""
+    cp = layers.current_context()
+    if cp is not None and cp.size > 1:
+      return self._context_parallel(x, num_targets_B, cp)
     values_TxD = x.values
     cap = x.capacity
+    u_TxHxDv, v_TxHxDv, q_TxHxDh, k_TxHxDh = self._project(values_TxD)
+    attn_TxHxDv = ops.hstu_attention(
+        q_TxHxDh, k_TxHxDh, v_TxHxDv, x.offsets, max_seq_len=self.max_seq_len, alpha=self.head_dim ** -0.5,
+        causal=True, num_targets=num_targets_B, contextual_seq_len=self.num_contextual,
+        rel_bias_HxR=self.rel_bias_HxR[...], impl=self.attn_impl)
+    return x.replace_values(values_TxD + self._output(attn_TxHxDv, u_TxHxDv))
+
+  def _project(self, values_TxD):
+    """-> (u, v, q, k), T x H x (Dv | Dh), H the heads this device holds."""
     dh, dv = self.head_dim, self.value_dim
+    cap = values_TxD.shape[0]
     uvqk_TxP = jax.nn.silu(self.uvqk(self.norm_in(values_TxD)))
     # Head-major columns ([u v q k] of head 0, then head 1, ...), so a tensor-parallel slice of the
     # columns is a whole number of heads; hh is the number of heads this device holds.
     hh = uvqk_TxP.shape[-1] // (2 * dv + 2 * dh)
-    u_TxHxDv, v_TxHxDv, q_TxHxDh, k_TxHxDh = jnp.split(uvqk_TxP.reshape(cap, hh, 2 * dv + 2 * dh),
-                                                      [dv, 2 * dv, 2 * dv + dh], axis=-1)
-    attn_TxHxDv = ops.hstu_attention(
-        q_TxHxDh, k_TxHxDh, v_TxHxDv, x.offsets, max_seq_len=self.max_seq_len, alpha=dh ** -0.5, causal=True,
-        num_targets=num_targets_B, contextual_seq_len=self.num_contextual, rel_bias_HxR=self.rel_bias_HxR[...],
-        impl=self.attn_impl)
+    return tuple(jnp.split(uvqk_TxP.reshape(cap, hh, 2 * dv + 2 * dh), [dv, 2 * dv, 2 * dv + dh], axis=-1))
+
+  def _output(self, attn_TxHxDv, u_TxHxDv):
+    cap, hh, dv = attn_TxHxDv.shape
     gated_TxHDv = self.norm_attn(attn_TxHxDv.reshape(cap, hh * dv)) * u_TxHxDv.reshape(cap, hh * dv)
-    return x.replace_values(values_TxD + self.out(gated_TxHDv))
+    return self.out(gated_TxHDv)
+
+  def _context_parallel(self, x: Jagged, num_targets_B, cp) -> Jagged:
+    """This device projects and attends for one contiguous slice of the token slots (rows may straddle
+    slices); keys and values of all slices are gathered so every query sees its whole row, and the
+    outputs of all slices are gathered back into the full layout."""
+    values_TxD, cap = x.values, x.capacity
+    s = -(-cap // cp.size)  # slots per slice; the layout is padded at the tail to size * s
+    padded_TxD = jnp.pad(values_TxD, ((0, s * cp.size - cap), (0, 0)))
+    start = cp.index() * s
+    local_SxD = jax.lax.dynamic_slice_in_dim(padded_TxD, start, s)
+    u_SxHxDv, v_SxHxDv, q_SxHxDh, k_SxHxDh = self._project(local_SxD)
+    attn_SxHxDv = ops.hstu_attention_query_block(
+        q_SxHxDh, cp.all_gather(k_SxHxDh), cp.all_gather(v_SxHxDv), x.offsets, start,
+        max_seq_len=self.max_seq_len, alpha=self.head_dim ** -0.5, causal=True, num_targets=num_targets_B,
+        contextual_seq_len=self.num_contextual, rel_bias_HxR=self.rel_bias_HxR[...])
+    out_TxD = cp.all_gather(self._output(attn_SxHxDv, u_SxHxDv))[:cap]
+    return x.replace_values(values_TxD + out_TxD)

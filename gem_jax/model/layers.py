@@ -13,13 +13,18 @@ bias). What lies between them must be per column (activations, per-head attentio
 sums its statistics with `tensor_sum` (LayerNorm(..., tensor_parallel=True)). A layer knows it holds a
 slice when its parameter is narrower than its declared size, so the same code runs whole on one device.
 `tensor_sum` is the identity until the SPMD step installs the real sum (`tensor_parallel`).
+
+Context parallelism: the SPMD step installs a `ContextParallel` (how many token slices, which one is this
+device's, and how to concatenate slices from all devices); the HSTU layer then works on its slice of the
+tokens and gathers keys, values and outputs (gem_jax/model/hstu.py). `current_context()` is None outside.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable, Iterator, Sequence
+import dataclasses
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +54,29 @@ def tensor_sum(x):
     return x
   with jax.named_scope("tensor_parallel"):
     return fn(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+  size: int                          # token slices
+  index: Callable[[], Any]           # () -> this device's slice index (traced int)
+  all_gather: Callable[[Any], Any]   # local slice (S x ...) -> every slice concatenated (size * S x ...)
+
+
+_CONTEXT: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar("gem_jax_context", default=None)
+
+
+@contextlib.contextmanager
+def context_parallel(cp: ContextParallel) -> Iterator[None]:
+  token = _CONTEXT.set(cp)
+  try:
+    yield
+  finally:
+    _CONTEXT.reset(token)
+
+
+def current_context() -> ContextParallel | None:
+  return _CONTEXT.get()
 
 
 def sharded(init, names: Sequence[str | None]):

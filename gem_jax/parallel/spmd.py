@@ -21,6 +21,9 @@ of the batch and:
                 of the global batch. Devices along context and tensor hold the same data shard, so the
                 sum over them counts it ctx * tensor times and is divided back; with that, every gradient
                 is the gradient of the global loss (tests/test_spmd.py compares with one device).
+  context       the HSTU layers split their token slots over `context` (gem_jax/model/hstu.py): each
+                device projects and attends for its slice, keys / values / outputs are all-gathered;
+                everything else runs on the whole layout.
 The gradient is taken outside the shard_map and the optimizer update runs in the same jit on the sharded
 state (element-wise and per-row, so it partitions without moving parameters).
 
@@ -202,6 +205,19 @@ def _tensor_sum(x):
   return jax.lax.pcast(jax.lax.psum(x, TP_AXIS), TP_AXIS, to="varying")
 
 
+CP_AXIS = "context"
+
+
+def _context(mesh: Mesh) -> layers.ContextParallel:
+  """Token slices over the context axis (a no-op for the model when the axis has size 1)."""
+
+  def gather(x):
+    with jax.named_scope("context_parallel"):
+      return jax.lax.all_gather(x, CP_AXIS, axis=0, tiled=True)
+
+  return layers.ContextParallel(mesh.shape[CP_AXIS], lambda: jax.lax.axis_index(CP_AXIS), gather)
+
+
 def _forward(graphdef, rest, params, specs, batch: Batch, p: Plan, capacities, stats):
   """The model on this device's data shard; `specs` are the global parameter specs (inside shard_map
   the arrays are local blocks, so specs cannot be recomputed from their shapes)."""
@@ -219,7 +235,7 @@ def _forward(graphdef, rest, params, specs, batch: Batch, p: Plan, capacities, s
 
   full = jax.tree_util.tree_map(prepare, params, specs, is_leaf=_is_var)
   with embeddings_lib.lookup_override(_lookup_fn(p, capacities, stats)), \
-       layers.tensor_parallel(_tensor_sum):
+       layers.tensor_parallel(_tensor_sum), layers.context_parallel(_context(p.mesh)):
     model = nnx.merge(graphdef, full, rest)
     return model(batch)
 
