@@ -8,6 +8,7 @@ volume the placement implies. The 16-device mesh and 20-step trajectories are in
 import jax
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 
 from gem_jax import configs
@@ -82,6 +83,24 @@ def test_placement(setup):
   kernel = state.params["layers"][0]["hstu"]["uvqk"]["kernel"]
   assert kernel.get_value().sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
   assert all(k.startswith(("ad_id/", "user_id/")) for k in run.capacities)
+  # Row-wise Adagrad state is sharded like its table's rows; AdamW moments like their parameters.
+  specs = {jax.tree_util.keystr(path): leaf.sharding.spec
+           for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state) if hasattr(leaf, "sharding")}
+  accumulators = [v for k, v in specs.items() if "accumulator" in k and "ad_id" in k]
+  assert accumulators == [jax.sharding.PartitionSpec("sparse")]
+  assert any(v == jax.sharding.PartitionSpec("fsdp", "tensor") for k, v in specs.items() if "uvqk" in k)
+
+
+def test_mesh_file_rules_override_the_placement(setup):
+  """A mesh file's `rules` block moves table rows onto fsdp x sparse; nothing else changes."""
+  with open("meshes/cpu_8.yaml") as f:
+    data = yaml.safe_load(f)
+  data["rules"] = {"table_rows": ["fsdp", "sparse"]}
+  mesh_spec = mesh_lib.parse(data, "cpu_8 + rules")
+  p = spmd.plan(setup["params_host"], mesh_lib.build_mesh(mesh_spec), mesh_spec)
+  assert p.table_axes["ad_id"] == ("fsdp", "sparse")
+  table = setup["params_host"]["embeddings"]["tables"]["ad_id"]
+  assert p.tree_specs({"t": table})["t"] == jax.sharding.PartitionSpec(("fsdp", "sparse"), None)
 
 
 def test_lookup_moves_ids_and_rows_never_tables(setup):
