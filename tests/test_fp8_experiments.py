@@ -42,18 +42,31 @@ def test_parity_script_trains_every_policy_and_reports(tmp_path):
   out = tmp_path / "parity.json"
   assert load("fp8_parity").main(["--config", "tiny", "--policies", "bf16,fp8", "--set", "train.steps=6",
                                   "--set", "train.warmup_steps=1", "--set", "train.eval_every=100",
-                                  "--set", "model.precision.min_dim=16", "--memory", "--out", str(out)]) == 0
+                                  "--set", "model.precision.min_dim=16", "--out", str(out)]) == 0
   data = json.loads(out.read_text())
   assert data["baseline"] == "bf16" and set(data["policies"]) == {"bf16", "fp8"}
   for name, r in data["policies"].items():
     assert set(r["rel_ne_gap"]) == {"click", "conversion"}
     # The tiny eval set may hold no conversion at all (NE undefined); click always has labels.
     assert math.isfinite(r["tasks"]["click"]["eval_ne"]) and math.isfinite(r["rel_ne_gap"]["click"])
-    assert r["step_memory_bytes"]["temp_size_in_bytes"] > 0
+    assert "step_memory_bytes" not in r  # only with --memory (test_parity_step_memory)
     assert math.isclose(sum(r["flop_share"].values()), 1.0)
   assert data["policies"]["bf16"]["rel_ne_gap"]["click"] == 0.0
   assert data["policies"]["fp8"]["flop_share"]["mxfp8_rceil"] > 0.3
   assert pathlib.Path(data["png"]).stat().st_size > 1000
+
+
+def test_parity_step_memory():
+  """--memory's per-policy numbers: the compiled train step's memory analysis (one policy, one compile)."""
+  parity = load("fp8_parity")
+  from gem_jax import configs
+  from gem_jax.data import pipeline
+  from gem_jax.data.synthetic import SyntheticAdsStream
+  cfg = parity.with_policy(configs.get("tiny"), "fp8")
+  spec = cfg.data.spec
+  batch = pipeline.pack(SyntheticAdsStream(spec, cfg.data.synthetic).block(0, 32), spec, cfg.data.pipeline)
+  mem = parity.step_memory(cfg, batch)
+  assert mem["temp_size_in_bytes"] > 0 and mem["argument_size_in_bytes"] > 0
 
 
 @pytest.mark.slow
