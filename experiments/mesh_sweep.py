@@ -16,7 +16,8 @@ Per mesh, sweep.json holds:
   comm.dense             measured parameter traffic (everything but the lookups, the tensor-parallel
                          activation sums and scalars) next to the analytic HSDP volume of the placement
                          (gem_jax/parallel/spmd.py analytic_comm)
-  comm.tensor_parallel_bytes  the all-reduces of the tensor-parallel pairs (forward and backward)
+  comm.tensor_parallel_bytes   the all-reduces of the tensor-parallel pairs (forward and backward)
+  comm.context_parallel_bytes  the gathers of keys, values and outputs of context-parallel HSTU layers
   embedding              all-to-all bytes of the lookups (forward, and backward), the ideal bytes (distinct
                          remote ids out + their rows back, per device, from the step's own counts) and
                          embedding_comm_ratio = forward bytes / ideal
@@ -82,7 +83,8 @@ def sweep_one(path: str, cfg, batches, args) -> dict:
   fwd = [c for c in lookup if "transpose(" not in c.op_name and not c.conditional]
   bwd = [c for c in lookup if "transpose(" in c.op_name and not c.conditional]
   tensor_parallel = hlo.select(colls, op_name_contains="tensor_parallel")
-  other = [c for c in colls if c not in lookup and c not in tensor_parallel]
+  context_parallel = hlo.select(colls, op_name_contains="context_parallel")
+  other = [c for c in colls if c not in lookup and c not in tensor_parallel and c not in context_parallel]
   params_like = [c for c in other if not _is_scalar_collective(c)]
   # Lookup calls ("table/N"), each with its table's row width.
   calls = {c: spec.table(c.rsplit("/", 1)[0]).dim for c in run.capacities}
@@ -121,6 +123,9 @@ def sweep_one(path: str, cfg, batches, args) -> dict:
                     "measured_by_kind": hlo.summarize(params_like)["by_kind"]},
           # Activations of the tensor-parallel pairs (forward partial sums and their backward).
           "tensor_parallel_bytes": moved(tensor_parallel),
+          # Keys, values and outputs of the context-parallel HSTU layers (forward gathers and their
+          # backward reduce-scatters).
+          "context_parallel_bytes": moved(context_parallel),
       },
       "embedding": {
           "forward_all_to_all_bytes": fwd_bytes,

@@ -76,6 +76,10 @@ class HSTULayer(nnx.Module):
     uvqk_TxP = jax.nn.silu(self.uvqk(self.norm_in(values_TxD)))
     # Head-major columns ([u v q k] of head 0, then head 1, ...), so a tensor-parallel slice of the
     # columns is a whole number of heads; hh is the number of heads this device holds.
+    if uvqk_TxP.shape[-1] % (2 * dv + 2 * dh):
+      raise ValueError(f"HSTU: this device's slice of uvqk has {uvqk_TxP.shape[-1]} columns, not a whole number "
+                       f"of heads ({2 * dv + 2 * dh} each): num_heads={self.num_heads} must divide over the "
+                       "mesh's tensor axis")
     hh = uvqk_TxP.shape[-1] // (2 * dv + 2 * dh)
     return tuple(jnp.split(uvqk_TxP.reshape(cap, hh, 2 * dv + 2 * dh), [dv, 2 * dv, 2 * dv + dh], axis=-1))
 
