@@ -166,6 +166,15 @@ def test_context_parallel_mesh_computes_the_one_device_function(setup):
   assert {c.kind for c in cp} >= {"all-gather", "reduce-scatter"}  # forward gathers, their transposes
 
 
+def test_rules_may_not_put_other_axes_on_tensor(setup):
+  with open("meshes/cpu_8.yaml") as f:
+    data = yaml.safe_load(f)
+  data["rules"] = {"embed": "tensor"}
+  mesh_spec = mesh_lib.parse(data, "cpu_8 + rules")
+  with pytest.raises(mesh_lib.MeshFileError, match="logical axis 'embed'.*only \\('mlp', 'heads'\\)"):
+    spmd.plan(setup["params_host"], mesh_lib.build_mesh(mesh_spec), mesh_spec)
+
+
 def test_wrong_device_count_names_the_axes():
   spec = mesh_lib.load("meshes/cpu_16_5d.yaml")
   with pytest.raises(mesh_lib.MeshFileError, match=r"needs 16 devices .*replica=2 x fsdp=2 x sparse=2"):

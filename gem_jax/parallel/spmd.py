@@ -9,14 +9,14 @@ of the batch and:
   dense params  HSDP. Each is all-gathered over the axes that shard it (fsdp) just before use; a dim
                 sharded over `tensor` alone is a tensor-parallel slice and stays one (the model's
                 column / row parallel layers sum their partial products with a psum over `tensor`).
-                JAX transposes that all-gather into a reduce-scatter of the gradient; the parameter is
-                first marked as varying over the data axes it is replicated on (replica, sparse), so the
-                reduce-scatter runs first and the cross-replica all-reduce then moves 1/fsdp of the bytes:
-                the HSDP order.
+                JAX transposes that all-gather into a reduce-scatter of the gradient; the block is
+                first marked as varying over every other mesh axis, so the reduce-scatter runs first and
+                the all-reduce over the other axes then moves 1/fsdp of the bytes: the HSDP order.
   tables        row blocks over `sparse` (2D sparse: replicated over the other axes). Lookups go through
                 gem_jax/parallel/sparse.py: ids to their owners and rows back with all-to-all, never the
-                table. Gradients reach the owning block; the cross-replica sum of a table block's
-                gradient is added by JAX's transpose of the implicit broadcast (an all-reduce).
+                table. Gradients reach the owning block; the block is marked varying up front too, so
+                the gradients of all lookups of a table add up locally and its sum over the other axes
+                is one all-reduce of the block.
   loss          per-task BCE sums and counts are summed over the mesh before dividing, so the loss is that
                 of the global batch. Devices along context and tensor hold the same data shard, so the
                 sum over them counts it ctx * tensor times and is divided back; with that, every gradient
@@ -76,12 +76,7 @@ class Plan:
   def num_data_shards(self) -> int:
     return math.prod(self.mesh.shape[a] for a in DATA_AXES)
 
-  @property
-  def redundancy(self) -> int:
-    """How many devices hold the same data shard (context x tensor)."""
-    return self.mesh.shape["context"] * self.mesh.shape["tensor"]
-
-  def spec_for(self, names, shape, where: str = "") -> P:
+  def spec_for(self, names, shape) -> P:
     """PartitionSpec for an array with logical `names`; dims that do not divide stay whole."""
     if names is None or len(names) != len(shape):
       return P()
@@ -112,6 +107,10 @@ def _path_names(path) -> list:
   return [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
 
 
+TP_AXIS = "tensor"  # a dim sharded over exactly this axis is a tensor-parallel slice (layers.py)
+TP_NAMES = ("mlp", "heads")  # the logical axes the model computes on as slices
+
+
 # Tables at most this large are replicated instead of row sharded: an all-to-all round costs two
 # collective latencies per lookup, while a replicated small table costs only its (small) gradient sum.
 REPLICATE_TABLE_BYTES = 16 * 1024
@@ -138,6 +137,11 @@ def plan(params, mesh: Mesh, mesh_spec: MeshSpec, replicate_table_bytes: int = R
       table_axes[str(_path_names(path)[-1])] = ()
       continue
     wanted = logical_to_spec(names, rules) if names is not None and len(names) == len(shape) else P()
+    for dim, entry in enumerate(spec):
+      if entry == TP_AXIS and names[dim] not in TP_NAMES:
+        raise mesh_lib.MeshFileError(
+            f"{mesh_spec.name}: rules put logical axis {names[dim]!r} ({key}, dim {dim}) on {TP_AXIS!r}, which "
+            f"holds tensor-parallel slices the model consumes as such; only {TP_NAMES} may map there")
     for dim, (got, want) in enumerate(zip(tuple(spec) + (None,) * len(shape), tuple(wanted))):
       if want is not None and got is None and math.prod(
           mesh.shape[a] for a in ((want,) if isinstance(want, str) else want)) > 1:
@@ -152,7 +156,6 @@ def plan(params, mesh: Mesh, mesh_spec: MeshSpec, replicate_table_bytes: int = R
   return Plan(mesh, mesh_spec, rules, table_axes, tuple(notes), frozenset(small))
 
 
-TP_AXIS = "tensor"  # a dim sharded over exactly this axis is a tensor-parallel slice (layers.py)
 
 
 def _gather_param(x, spec: P, vary_axes: tuple[str, ...], gather: bool = True):
