@@ -5,6 +5,7 @@ in a subprocess since this test process has 8), 20 steps of the tiny model in f3
   - the lookups move ids and rows with all-to-all only, and on cpu_16_5d (Zipf ids from the synthetic
     stream) the forward lookup bytes are at most 1.25x the ideal (distinct remote ids out, rows back)
   - parameter traffic on cpu_16_5d is within 10% of the analytic HSDP volume of the placement
+  - the cluster simulator's bytes agree with these compiled programs within 10% (cpu_8, cpu_16_5d)
 """
 
 import json
@@ -40,3 +41,13 @@ def test_mesh_sweep_acceptance(tmp_path):
   assert five["memory"]["temp"] > 0 and five["memory"]["argument"] > 0
   assert set(five["comm"]["by_axis"]) >= {"fsdp", "sparse", "tensor"}
   assert "cpu_16_5d" in proc.stdout  # the table printed
+  # The cluster simulator predicts these bytes without compiling (issue 6: within 10%).
+  from gem_jax import configs
+  from gem_jax.config import apply_overrides
+  from gem_jax.observe.simulate import simulate
+  from gem_jax.parallel import mesh as mesh_lib
+  from tests.test_simulate import assert_matches_hlo
+  cfg = apply_overrides(configs.get("tiny"), ["data.pipeline.batch_size=256"])
+  for name in ("cpu_8", "cpu_16_5d"):
+    sim = simulate(cfg, mesh_lib.load(os.path.join(ROOT, "meshes", f"{name}.yaml")))
+    assert_matches_hlo(sim["comm"], sweep[name]["comm"], name)

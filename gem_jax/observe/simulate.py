@@ -1,0 +1,334 @@
+"""Cluster simulator: per-device comm bytes, step time, MFU and memory of a config on a mesh file, without
+compiling or allocating anything (the model is built with nnx.eval_shape), for 8 to 8192 devices.
+
+  simulate(cfg, mesh_spec, batch_size=None, mean_history=None, capacity_slack=1.05, overlap=0.9,
+           efficiency=0.5) -> dict
+
+Bytes per device per train step, in the key format of gem_jax/observe/hlo.summarize ("by_kind",
+"by_axis" keyed "fsdp", "replica,sparse", ...; traffic model of hlo.py: ring all-gather / reduce-scatter
+(n-1)/n of the full buffer, all-reduce 2(n-1)/n, all-to-all (n-1)/n), from four parts:
+  params           the HSDP placement of parallel/spmd.py (`plan`, `analytic_comm`): forward all-gather and
+                   backward reduce-scatter over the axes sharding a parameter, all-reduce of the block
+                   over every other axis > 1; tables all-reduce their row block's gradient.
+  embedding        per lookup call of a row-sharded table (parallel/sparse.py round 1): a [P, C] int32 id
+                   buffer and a [P, C, E] row buffer forward, the [P, C, E] row cotangents backward. The
+                   fallback rounds (lax.cond, rarely run) are not counted.
+  tensor_parallel  every row-parallel layer psums its f32 output over `tensor` (HSTU output T x D and its
+                   norm's two T x 1 statistics, Wukong's FM MLP output b x n_f E, the heads' towers b x R x
+                   G); the backward has one all-reduce of the same size.
+  context_parallel each HSTU layer all-gathers k, v and its output over `context` (reduce-scatter back).
+
+Capacity estimate C (ids per destination of one lookup call; spmd.batch_capacities measures it on the
+first batch): the synthetic stream scrambles ids over the table, so owners are uniform; the distinct ids
+among m real draws of a bounded Zipf(s) over V rows are
+  D = sum_k 1 - (1 - p_k)^m,  p_k = k^-s / H
+and per destination mu = D / P. The measured capacity is the largest bucket over P destinations and S
+data shards, which Poisson fluctuations put near mu + sqrt(2 ln(P S) mu); C = slack x that, at most the
+ids of the call. Real draws m: b per single-hot feature, b (max_ids + 1) / 2 per multi-hot one,
+b E[min(len, keep_last[0])] per history field. s: the stream's zipf_exponent for single-hot ids,
+interest_zipf_exponent for multi-hot (interest categories), their mean for history tokens (items drawn
+Zipf inside the user's Zipf-chosen interest categories are spread between the two laws; calibrated on
+tiny: history capacity 228 / 146 predicted vs 224 / 138 measured on cpu_8 / cpu_16_5d). A different id
+law (real traffic) changes C: the estimate is the stream's, not the model's.
+
+Times (None with null hardware, e.g. the CPU mesh files): a collective over a set of axes uses the
+intra-node bandwidth if every one of its axes lies wholly inside a node (size == intra_node), else the
+inter-node bandwidth; collectives run one after another (times add). Compute = 3 x model FLOPs
+(observe/flops.py at the stream's history lengths) / devices / (peak_bf16_flops x efficiency). Overlap
+model: parameter collectives (gathers, reduce-scatters, gradient all-reduces) hide behind compute up to
+`overlap` x compute; lookups and the tensor / context-parallel sums sit on the critical path (exposed).
+  step = compute + exposed + max(0, params_comm - overlap x compute);  MFU = model FLOPs / (step x peak x N)
+
+Memory (estimates, bytes per device): params and optimizer state are exact shard sizes of the
+placement; gradients = param shards; gathered = the whole dense params (a tensor slice each) that the
+HSDP gather keeps alive for the backward; activations = the main tensors a layer keeps for its backward
+(HSTU: 4 T x D + uvqk before and after SiLU + 3 attention-width tensors, Wukong: ~3 inputs and outputs
+plus the MLP hidden, embedding rows), no attention matrices (flash kernels keep them on chip), no XLA
+temporaries or fragmentation.
+
+This module must never compile, allocate a parameter, or touch a device.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import jax
+import numpy as np
+from flax import nnx
+
+from gem_jax.observe import flops as flops_lib
+from gem_jax.parallel import spmd
+from gem_jax.parallel.mesh import MeshSpec, check_batch
+from gem_jax.parallel.rules import MESH_AXES
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
+_SAMPLES = 8192  # history lengths drawn (fixed seed) to average FLOPs and token counts over
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def _key(axes, shape) -> str:
+  """hlo.summarize's axis key: the axes of size > 1, in mesh order."""
+  return ",".join(a for a in MESH_AXES if a in set(axes) and shape[a] > 1)
+
+
+def history_lengths(cfg, mean_history: float | None) -> np.ndarray:
+  """History lengths of the synthetic stream (its log-normal law, activity ~ N(0, 1) shifting mu by 0.3,
+  empty rows, the cap), or all equal to `mean_history` when given."""
+  max_len = cfg.data.spec.sequence.max_len
+  if mean_history is not None:
+    if not 0 <= mean_history <= max_len:
+      raise ValueError(f"mean_history={mean_history} must lie in [0, max_len={max_len}]")
+    return np.full(_SAMPLES, float(mean_history))
+  s = cfg.data.synthetic
+  rng = np.random.default_rng(0)
+  raw = np.ceil(rng.lognormal(s.history_mu + 0.3 * rng.standard_normal(_SAMPLES), s.history_sigma))
+  return np.where(rng.random(_SAMPLES) < s.empty_history_prob, 0, np.clip(raw, 1, max_len)).astype(np.float64)
+
+
+def expected_distinct(num_rows: int, draws: float, zipf: float) -> float:
+  """Expected distinct ids among `draws` Zipf(zipf) draws over `num_rows` ranks: exact over the head,
+  a log-grid integral over the tail (tables of 1e9 rows cost the same as small ones)."""
+  if draws <= 0:
+    return 0.0
+  head = min(num_rows, 1 << 16)
+  k = np.arange(1, head + 1, dtype=np.float64)
+  w_head = k ** -zipf
+  norm, hit = w_head.sum(), None
+  if num_rows > head:
+    x = np.geomspace(head + 0.5, num_rows + 0.5, 4096)
+    w_tail = x ** -zipf
+    norm += np.trapezoid(w_tail, x)
+  hit = np.sum(-np.expm1(draws * np.log1p(-w_head / norm)))
+  if num_rows > head:
+    hit += np.trapezoid(-np.expm1(-draws * w_tail / norm), x)
+  return float(min(hit, draws, num_rows))
+
+
+def _capacity(num_rows, draws, ids, owners, shards, zipf, slack) -> int:
+  mu = expected_distinct(num_rows, draws, zipf) / owners
+  worst = mu + math.sqrt(2.0 * math.log(max(owners * shards, 2)) * mu)
+  return int(max(1, min(ids, math.ceil(round(slack * worst, 9)))))
+
+
+def _bucket(tokens: float, batch: int, pipeline, spec) -> int:
+  """The history capacity of a data shard of `batch` rows holding `tokens` (pipeline's bucket rule)."""
+  import dataclasses
+  caps = dataclasses.replace(pipeline, batch_size=batch).history_buckets(spec)
+  return next((c for c in caps if c >= tokens), caps[-1])
+
+
+class _Comm:
+  """Collects (part, kind, axes key, bytes) and totals them hlo.summarize-style."""
+
+  def __init__(self, shape):
+    self.shape, self.items = shape, []
+
+  def add(self, part, kind, axes, moved):
+    key = _key(axes, self.shape)
+    if key and moved > 0:
+      self.items.append((part, kind, key, float(moved)))
+
+  def ring(self, part, kind, axes, full_bytes):
+    """A collective over `axes` on a buffer of `full_bytes` (result for gathers, operand otherwise)."""
+    n = math.prod(self.shape[a] for a in axes)
+    if n > 1:
+      self.add(part, kind, axes, (2.0 if kind == "all-reduce" else 1.0) * full_bytes * (n - 1) / n)
+
+  def summary(self, part=None) -> dict:
+    by_kind, by_axis = {}, {}
+    for p, kind, key, b in self.items:
+      if part is None or p == part:
+        by_kind[kind] = by_kind.get(kind, 0.0) + b
+        by_axis[key] = by_axis.get(key, 0.0) + b
+    return {"by_kind": by_kind, "by_axis": by_axis, "total": float(sum(by_kind.values()))}
+
+
+def _nbytes(x) -> float:
+  return float(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+
+def _shard_bytes(tree, specs, shape) -> float:
+  total = 0.0
+  leaves = jax.tree_util.tree_leaves(tree, is_leaf=spmd._is_var)
+  spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  for leaf, spec in zip(leaves, spec_leaves):
+    for arr in jax.tree_util.tree_leaves(leaf.get_value() if spmd._is_var(leaf) else leaf):
+      own = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+      total += _nbytes(arr) / math.prod(shape[a] for a in own)
+  return total
+
+
+# ---------------------------------------------------------------------------------------- simulate
+
+def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_history: float | None = None,
+             capacity_slack: float = 1.05, overlap: float = 0.9, efficiency: float = 0.5) -> dict:
+  """Per-device, per-step prediction for `cfg` (gem_jax.config.Config) on `mesh_spec` (module docstring).
+
+  batch_size: global batch (default cfg.data.pipeline.batch_size); must divide over the data axes.
+  mean_history: use this history length for every row instead of the synthetic stream's law.
+  overlap: the fraction of compute time parameter collectives may hide behind (0..1).
+  efficiency: the fraction of peak bf16 FLOPs the compute reaches.
+  """
+  from gem_jax.model.gem import GEM
+  from gem_jax.train.optim import make_optimizer
+
+  if not 0 <= overlap <= 1 or not 0 < efficiency <= 1:
+    raise ValueError(f"need 0 <= overlap <= 1 and 0 < efficiency <= 1, got overlap={overlap}, "
+                     f"efficiency={efficiency}")
+  if capacity_slack < 1:
+    raise ValueError(f"capacity_slack must be >= 1, got {capacity_slack}")
+  spec, model_cfg, pipeline = cfg.data.spec, cfg.model, cfg.data.pipeline
+  batch = int(batch_size or pipeline.batch_size)
+  check_batch(mesh_spec, batch)
+  shape = mesh_spec.shape
+  shards, t, cp = mesh_spec.data_shards, shape["tensor"], shape["context"]
+  b = batch // shards
+
+  abstract = nnx.eval_shape(lambda: GEM(spec, model_cfg, rngs=nnx.Rngs(0)))
+  params = nnx.state(abstract, nnx.Param)
+  p = spmd.plan(params, types.SimpleNamespace(shape=shape), mesh_spec)
+  comm = _Comm(shape)
+
+  # Parameters: per leaf for the axis split; totals must equal spmd.analytic_comm.
+  specs = p.tree_specs(params)
+  spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  for var, ps in zip(jax.tree_util.tree_leaves(params, is_leaf=spmd._is_var), spec_leaves):
+    w = _nbytes(var.get_value())
+    own = {a for e in ps if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    n_s = math.prod(shape[a] for a in own)
+    rest = [a for a in MESH_AXES if a not in own]
+    comm.ring("params", "all-reduce", rest, w / n_s)
+    if not isinstance(var, spmd.embeddings_lib.Table):
+      n_t = t if spmd.TP_AXIS in own else 1
+      gather = [a for a in own if a != spmd.TP_AXIS]
+      comm.ring("params", "all-gather", gather, w / n_t)
+      comm.ring("params", "reduce-scatter", gather, w / n_t)
+  analytic = spmd.analytic_comm(p, params)
+  mine = comm.summary("params")
+  if not math.isclose(mine["total"], analytic["dense_total"] + analytic["table_grad_sync"], rel_tol=1e-6):
+    raise AssertionError(f"simulate: parameter bytes {mine['total']} disagree with spmd.analytic_comm {analytic}")
+
+  # History token counts of one data shard.
+  lengths = history_lengths(cfg, mean_history)
+  keep = model_cfg.hstu.keep_last
+  kept0 = float(np.minimum(lengths, keep[0]).mean())
+  cap = _bucket(b * float(lengths.mean()), b, pipeline, spec)
+
+  # Embedding all-to-all, round 1 of every lookup call of a row-sharded table.
+  syn = cfg.data.synthetic
+  hist_zipf = (syn.zipf_exponent + syn.interest_zipf_exponent) / 2
+  calls = []  # (table, ids per call N, real draws, Zipf exponent)
+  for f in spec.sparse:
+    calls.append((f.table, b * f.max_ids, b * (f.max_ids + 1) / 2, syn.interest_zipf_exponent) if f.multi_hot
+                 else (f.table, b, b, syn.zipf_exponent))
+  n_hist = min(cap, b * keep[0])
+  calls += [(fld.table, n_hist, b * kept0, hist_zipf) for fld in spec.sequence.fields]
+  capacities = {}
+  for table, n, draws, zipf in calls:
+    axes = p.table_axes.get(table, ())
+    if axes:
+      owners = math.prod(shape[a] for a in axes)
+      c = _capacity(spec.table(table).vocab_size, draws, n, owners, shards, zipf, capacity_slack)
+      capacities[f"{table}/{n}"] = max(c, capacities.get(f"{table}/{n}", 0))
+  for table, n, _, _ in calls:
+    axes = p.table_axes.get(table, ())
+    if axes:
+      owners, c = math.prod(shape[a] for a in axes), capacities[f"{table}/{n}"]
+      row = owners * c * spec.table(table).dim * np.dtype(model_cfg.params_dtype).itemsize
+      comm.ring("embedding_forward", "all-to-all", axes, owners * c * 4 + row)
+      comm.ring("embedding_backward", "all-to-all", axes, row)
+
+  # Tensor- and context-parallel activations, per HSTU / Wukong layer and the heads.
+  h = model_cfg.hstu
+  act = np.dtype(model_cfg.dtype).itemsize
+  d, e, c_tok = model_cfg.model_dim, model_cfg.embed_dim, h.num_contextual
+  hdv, uvqk = h.num_heads * h.value_dim, 2 * h.num_heads * (h.value_dim + h.head_dim)
+  hstu_tp = t > 1 and hdv % t == 0 and uvqk % t == 0
+  hist_cap, rows_per_layer = n_hist, []
+  for k in keep:
+    hist_cap = min(hist_cap, b * k)
+    rows_per_layer.append(c_tok * b + hist_cap + b)
+  for rows in rows_per_layer:
+    local = -(-rows // cp)  # this device's token slots under context parallelism
+    if hstu_tp:
+      for _ in range(2):  # forward psum, backward all-reduce
+        comm.ring("tensor_parallel", "all-reduce", ["tensor"], local * (d + 2) * 4)
+    if cp > 1:
+      heads = h.num_heads // t if hstu_tp else h.num_heads
+      full = cp * local * (heads * (h.head_dim + h.value_dim) + d) * act
+      comm.ring("context_parallel", "all-gather", ["context"], full)
+      comm.ring("context_parallel", "reduce-scatter", ["context"], full)
+  w = model_cfg.wukong
+  tp_b = (model_cfg.num_layers * (w.fm_outputs * e if w.mlp_hidden % t == 0 else 0)
+          + (len(spec.domains) * model_cfg.tower_hidden if model_cfg.tower_hidden % t == 0 else 0))
+  if t > 1:
+    for _ in range(2):
+      comm.ring("tensor_parallel", "all-reduce", ["tensor"], b * tp_b * 4)
+
+  # Compute.
+  n_dev = mesh_spec.num_devices
+  fwd_per_example = flops_lib.model_flops(model_cfg, spec, lengths) / len(lengths)
+  step_flops = 3.0 * fwd_per_example * batch
+  hw = mesh_spec.hardware
+
+  # Memory per device.
+  opt = make_optimizer(cfg.train, params)
+  opt_state = jax.eval_shape(opt.init, params)
+  param_bytes = _shard_bytes(params, specs, shape)
+  dense_full = sum(_nbytes(v.get_value()) / (t if spmd.TP_AXIS in str(ps) else 1)
+                   for v, ps in zip(jax.tree_util.tree_leaves(params, is_leaf=spmd._is_var), spec_leaves)
+                   if not isinstance(v, spmd.embeddings_lib.Table))
+  hist_dims = sum(spec.table(fld.table).dim for fld in spec.sequence.fields)
+  activations = float(n_hist * hist_dims * 4 + n_hist * d * act)
+  for rows in rows_per_layer:
+    local = -(-rows // cp)
+    activations += act * (4 * rows * d + local * (2 * uvqk + 3 * hdv) / (t if hstu_tp else 1))
+  f_in = len(spec.sparse) + (1 if spec.dense_dim else 0) + flops_lib.num_summary(model_cfg)
+  activations += model_cfg.num_layers * act * b * (
+      3 * f_in * e + 3 * (w.fm_outputs + w.lcb_outputs) * e + f_in * w.fm_rank + 2 * w.mlp_hidden / t)
+  memory = {"params": param_bytes, "optimizer": _shard_bytes(opt_state, p.tree_specs(opt_state), shape),
+            "gradients": param_bytes, "gathered_params": dense_full, "activations": activations}
+  memory["total"] = float(sum(memory.values()))
+  memory["hbm_bytes"] = hw.hbm_bytes
+  memory["fits"] = None if hw.hbm_bytes is None else memory["total"] <= hw.hbm_bytes
+
+  summary = comm.summary()
+  parts = {name: comm.summary(name) for name in
+           ("params", "embedding_forward", "embedding_backward", "tensor_parallel", "context_parallel")}
+  out = {
+      "mesh": mesh_spec.name, "devices": n_dev, "batch_size": batch, "rows_per_shard": b,
+      "mean_history": float(lengths.mean()), "history_capacity": cap,
+      "comm": {**summary, "parts": parts, "capacities": capacities,
+               "analytic_params": analytic, "placement_notes": list(p.notes)},
+      "flops": {"model_flops_per_step": step_flops, "per_device": step_flops / n_dev},
+      "memory": memory,
+      "time": _times(comm, mesh_spec, step_flops / n_dev, overlap, efficiency),
+  }
+  out["mfu"] = (None if out["time"] is None
+                else step_flops / (out["time"]["step_s"] * hw.peak_bf16_flops * n_dev))
+  return out
+
+
+def _times(comm: _Comm, mesh_spec: MeshSpec, device_flops: float, overlap: float, efficiency: float):
+  """Seconds per step (module docstring); None when the mesh file gives no peak FLOPs or bandwidths."""
+  hw = mesh_spec.hardware
+  if None in (hw.peak_bf16_flops, hw.intra_node_bandwidth, hw.inter_node_bandwidth):
+    return None
+  shape, intra = mesh_spec.shape, dict(mesh_spec.intra_node)
+  by_axis, hidden, exposed = {}, 0.0, 0.0
+  for part, _, key, moved in comm.items:
+    inside = all(shape[a] == intra[a] for a in key.split(","))
+    s = moved / (hw.intra_node_bandwidth if inside else hw.inter_node_bandwidth)
+    by_axis[key] = by_axis.get(key, 0.0) + s
+    if part == "params":
+      hidden += s
+    else:
+      exposed += s
+  compute = device_flops / (hw.peak_bf16_flops * efficiency)
+  step = compute + exposed + max(0.0, hidden - overlap * compute)
+  return {"compute_s": compute, "comm_s_by_axis": by_axis, "params_comm_s": hidden, "exposed_comm_s": exposed,
+          "step_s": step, "bandwidth_by_axis": {k: ("intra" if all(shape[a] == intra[a] for a in k.split(","))
+                                                     else "inter") for k in by_axis}}
