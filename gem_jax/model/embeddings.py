@@ -17,9 +17,8 @@ Letters: B batch, T jagged token capacity, V table rows, E embedding width, F hi
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from typing import Callable, Iterator
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ from flax import nnx
 from gem_jax import jagged
 from gem_jax.data.spec import FeatureSpec
 from gem_jax.jagged import Jagged
+from gem_jax.model import layers
 from gem_jax.model.config import ModelConfig
 
 TABLE_AXES = ("table_rows", "table_dim")
@@ -37,14 +37,9 @@ LookupFn = Callable[[str, jax.Array, jax.Array], jax.Array]
 _LOOKUP: contextvars.ContextVar[LookupFn | None] = contextvars.ContextVar("gem_jax_lookup", default=None)
 
 
-@contextlib.contextmanager
-def lookup_override(fn: LookupFn) -> Iterator[None]:
+def lookup_override(fn: LookupFn):
   """Routes every EmbeddingCollection.lookup traced inside the block through `fn`."""
-  token = _LOOKUP.set(fn)
-  try:
-    yield
-  finally:
-    _LOOKUP.reset(token)
+  return layers.scoped(_LOOKUP, fn)
 
 
 class Table(nnx.Param):

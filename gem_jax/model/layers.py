@@ -34,17 +34,22 @@ from gem_jax.model.config import ModelConfig
 from gem_jax.precision import fp8, policy
 
 
-_TENSOR_SUM: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("gem_jax_tensor_sum", default=None)
-
-
 @contextlib.contextmanager
-def tensor_parallel(sum_fn: Callable) -> Iterator[None]:
-  """Inside the block, `tensor_sum` adds partial results over the tensor-parallel slices with `sum_fn`."""
-  token = _TENSOR_SUM.set(sum_fn)
+def scoped(var: contextvars.ContextVar, value) -> Iterator[None]:
+  """`var` holds `value` inside the block (how the SPMD step installs its hooks while tracing)."""
+  token = var.set(value)
   try:
     yield
   finally:
-    _TENSOR_SUM.reset(token)
+    var.reset(token)
+
+
+_TENSOR_SUM: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("gem_jax_tensor_sum", default=None)
+
+
+def tensor_parallel(sum_fn: Callable):
+  """Inside the block, `tensor_sum` adds partial results over the tensor-parallel slices with `sum_fn`."""
+  return scoped(_TENSOR_SUM, sum_fn)
 
 
 def tensor_sum(x):
@@ -66,13 +71,9 @@ class ContextParallel:
 _CONTEXT: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar("gem_jax_context", default=None)
 
 
-@contextlib.contextmanager
-def context_parallel(cp: ContextParallel) -> Iterator[None]:
-  token = _CONTEXT.set(cp)
-  try:
-    yield
-  finally:
-    _CONTEXT.reset(token)
+def context_parallel(cp: ContextParallel):
+  """Inside the block, HSTU layers split their tokens as `cp` says."""
+  return scoped(_CONTEXT, cp)
 
 
 def current_context() -> ContextParallel | None:
