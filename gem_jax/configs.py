@@ -83,9 +83,22 @@ def small() -> Config:
   return Config("small", model, data, train)
 
 
+# GPU configs size the id tables (users, ads, advertisers) to a multiple of this many rows, so that row
+# sharding over any power-of-two number of shards up to 8192 divides (spmd.plan keeps a table whose rows
+# do not divide whole, i.e. replicated: 500M user rows = 2^8 x 5^9 would split at most 256 ways and could
+# not fit at 1024 GPUs). Categories are a count of interest topics, not ids, and stay as given (the
+# table is at most 51 MB, replicated when it does not divide).
+TABLE_ROW_MULTIPLE = 8192
+
+
+def _rows(n: int) -> int:
+  return -(-n // TABLE_ROW_MULTIPLE) * TABLE_ROW_MULTIPLE
+
+
 def _gpu_config(name: str, *, users, ads, advertisers, categories, embed_dim, max_history, model_dim,
                 layers, heads, head_dim, keep_last, fm_outputs, lcb_outputs, fm_rank, mlp_hidden,
                 tower_hidden, batch_size, steps) -> Config:
+  users, ads, advertisers = map(_rows, (users, ads, advertisers))
   spec = ads_feature_spec(users=users, ads=ads, advertisers=advertisers, categories=categories,
                           embed_dim=embed_dim, max_history=max_history, max_interests=32, num_domains=5)
   model = ModelConfig(embed_dim=embed_dim, model_dim=model_dim, num_layers=layers,

@@ -2,7 +2,11 @@
 compiling or allocating anything (the model is built with nnx.eval_shape), for 8 to 8192 devices.
 
   simulate(cfg, mesh_spec, batch_size=None, mean_history=None, capacity_slack=1.05, overlap=0.9,
-           efficiency=0.5) -> dict
+           efficiency=0.5, shapes=None) -> dict
+  model_shapes(cfg) -> ModelShapes     the abstract params and optimizer state (nnx.eval_shape, ~2 s on
+                                       `large`): build once and pass as `shapes` to time many meshes
+  retime(sim, mesh_spec, overlap, efficiency) -> the "time" of a result on a mesh of the same axis sizes
+                                       with another intra-node placement or hardware (no re-simulation)
 
 Bytes per device per train step, in the key format of gem_jax/observe/hlo.summarize ("by_kind",
 "by_axis" keyed "fsdp", "replica,sparse", ...; traffic model of hlo.py: ring all-gather / reduce-scatter
@@ -51,8 +55,11 @@ This module must never compile, allocate a parameter, or touch a device.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import types
+from typing import Any
 
 import jax
 import numpy as np
@@ -88,6 +95,7 @@ def history_lengths(cfg, mean_history: float | None) -> np.ndarray:
   return np.where(rng.random(_SAMPLES) < s.empty_history_prob, 0, np.clip(raw, 1, max_len)).astype(np.float64)
 
 
+@functools.lru_cache(maxsize=4096)  # a planner asks the same (table, draws) of many layouts
 def expected_distinct(num_rows: int, draws: float, zipf: float) -> float:
   """Expected distinct ids among `draws` Zipf(zipf) draws over `num_rows` ranks: exact over the head,
   a log-grid integral over the tail (tables of 1e9 rows cost the same as small ones)."""
@@ -163,21 +171,46 @@ def _shard_bytes(tree, specs, shape) -> float:
 
 # ---------------------------------------------------------------------------------------- simulate
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelShapes:
+  """The abstract model of a config: everything simulate() needs that no mesh changes. Building it
+  (nnx.eval_shape of the model and of the optimizer's init) is most of a simulate() call, so a caller
+  timing many layouts of one config builds it once (`model_shapes`) and passes it as `shapes`."""
+  model: Any      # the cfg.model, cfg.data.spec and cfg.train it was built from (checked on use)
+  spec: Any
+  train: Any
+  params: Any     # nnx.State of abstract nnx.Param, tables included
+  opt_state: Any  # abstract optimizer state of those params
+
+  def check(self, cfg) -> None:
+    if (self.model, self.spec, self.train) != (cfg.model, cfg.data.spec, cfg.train):
+      raise ValueError(f"simulate: `shapes` were built for another model, feature spec or train config than "
+                       f"config {cfg.name!r}; build them with model_shapes(cfg)")
+
+
+def model_shapes(cfg) -> ModelShapes:
+  """The abstract params and optimizer state of `cfg` (nothing allocated)."""
+  from gem_jax.model.gem import GEM
+  from gem_jax.train.optim import make_optimizer
+
+  abstract = nnx.eval_shape(lambda: GEM(cfg.data.spec, cfg.model, rngs=nnx.Rngs(0)))
+  params = nnx.state(abstract, nnx.Param)
+  opt = make_optimizer(cfg.train, params)
+  return ModelShapes(cfg.model, cfg.data.spec, cfg.train, params, jax.eval_shape(opt.init, params))
+
+
 def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_history: float | None = None,
-             capacity_slack: float = 1.05, overlap: float = 0.9, efficiency: float = 0.5) -> dict:
+             capacity_slack: float = 1.05, overlap: float = 0.9, efficiency: float = 0.5,
+             shapes: ModelShapes | None = None) -> dict:
   """Per-device, per-step prediction for `cfg` (gem_jax.config.Config) on `mesh_spec` (module docstring).
 
   batch_size: global batch (default cfg.data.pipeline.batch_size); must divide over the data axes.
   mean_history: use this history length for every row instead of the synthetic stream's law.
   overlap: the fraction of compute time parameter collectives may hide behind (0..1).
   efficiency: the fraction of peak bf16 FLOPs the compute reaches.
+  shapes: model_shapes(cfg), when the caller already has it (same results, without the ~2 s rebuild).
   """
-  from gem_jax.model.gem import GEM
-  from gem_jax.train.optim import make_optimizer
-
-  if not 0 <= overlap <= 1 or not 0 < efficiency <= 1:
-    raise ValueError(f"need 0 <= overlap <= 1 and 0 < efficiency <= 1, got overlap={overlap}, "
-                     f"efficiency={efficiency}")
+  _check_time_args(overlap, efficiency)
   if capacity_slack < 1:
     raise ValueError(f"capacity_slack must be >= 1, got {capacity_slack}")
   spec, model_cfg, pipeline = cfg.data.spec, cfg.model, cfg.data.pipeline
@@ -187,8 +220,10 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
   shards, t, cp = mesh_spec.data_shards, shape["tensor"], shape["context"]
   b = batch // shards
 
-  abstract = nnx.eval_shape(lambda: GEM(spec, model_cfg, rngs=nnx.Rngs(0)))
-  params = nnx.state(abstract, nnx.Param)
+  if shapes is None:
+    shapes = model_shapes(cfg)
+  shapes.check(cfg)
+  params = shapes.params
   p = spmd.plan(params, types.SimpleNamespace(shape=shape), mesh_spec)
   comm = _Comm(shape)
 
@@ -275,8 +310,7 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
   hw = mesh_spec.hardware
 
   # Memory per device.
-  opt = make_optimizer(cfg.train, params)
-  opt_state = jax.eval_shape(opt.init, params)
+  opt_state = shapes.opt_state
   param_bytes = _shard_bytes(params, specs, shape)
   dense_full = sum(_nbytes(v.get_value()) / (t if spmd.TP_AXIS in str(ps) else 1)
                    for v, ps in zip(jax.tree_util.tree_leaves(params, is_leaf=spmd._is_var), spec_leaves)
@@ -305,21 +339,29 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
                "analytic_params": analytic, "placement_notes": list(p.notes)},
       "flops": {"model_flops_per_step": step_flops, "per_device": step_flops / n_dev},
       "memory": memory,
-      "time": _times(comm, mesh_spec, step_flops / n_dev, overlap, efficiency),
+      "time": _times([(part, key, moved) for part, _, key, moved in comm.items], mesh_spec,
+                     step_flops / n_dev, overlap, efficiency),
   }
   out["mfu"] = (None if out["time"] is None
                 else step_flops / (out["time"]["step_s"] * hw.peak_bf16_flops * n_dev))
   return out
 
 
-def _times(comm: _Comm, mesh_spec: MeshSpec, device_flops: float, overlap: float, efficiency: float):
-  """Seconds per step (module docstring); None when the mesh file gives no peak FLOPs or bandwidths."""
+def _check_time_args(overlap: float, efficiency: float) -> None:
+  if not 0 <= overlap <= 1 or not 0 < efficiency <= 1:
+    raise ValueError(f"need 0 <= overlap <= 1 and 0 < efficiency <= 1, got overlap={overlap}, "
+                     f"efficiency={efficiency}")
+
+
+def _times(items, mesh_spec: MeshSpec, device_flops: float, overlap: float, efficiency: float):
+  """Seconds per step (module docstring) of the collectives `items` = (part, axes key, bytes); None when the
+  mesh file gives no peak FLOPs or bandwidths."""
   hw = mesh_spec.hardware
   if None in (hw.peak_bf16_flops, hw.intra_node_bandwidth, hw.inter_node_bandwidth):
     return None
   shape, intra = mesh_spec.shape, dict(mesh_spec.intra_node)
   by_axis, hidden, exposed = {}, 0.0, 0.0
-  for part, _, key, moved in comm.items:
+  for part, key, moved in items:
     inside = all(shape[a] == intra[a] for a in key.split(","))
     s = moved / (hw.intra_node_bandwidth if inside else hw.inter_node_bandwidth)
     by_axis[key] = by_axis.get(key, 0.0) + s
@@ -332,3 +374,24 @@ def _times(comm: _Comm, mesh_spec: MeshSpec, device_flops: float, overlap: float
   return {"compute_s": compute, "comm_s_by_axis": by_axis, "params_comm_s": hidden, "exposed_comm_s": exposed,
           "step_s": step, "bandwidth_by_axis": {k: ("intra" if all(shape[a] == intra[a] for a in k.split(","))
                                                      else "inter") for k in by_axis}}
+
+
+def retime(sim: dict, mesh_spec: MeshSpec, *, overlap: float = 0.9, efficiency: float = 0.5):
+  """The "time" entry of `sim` (a simulate() result) recomputed for `mesh_spec`, which must have the axis
+  sizes and rules `sim` was simulated with and may differ in its intra-node placement or hardware: bytes
+  and memory depend only on the sizes, the seconds on where each axis lies. None without hardware numbers.
+  Sums per (part, axes) instead of per collective, so it can differ from simulate's own "time" in the last
+  bits of a float."""
+  _check_time_args(overlap, efficiency)
+  if sim["devices"] != mesh_spec.num_devices:
+    raise ValueError(f"retime: {sim['mesh']!r} was simulated on {sim['devices']} devices, mesh "
+                     f"{mesh_spec.name!r} has {mesh_spec.num_devices}")
+  shape = mesh_spec.shape
+  items = []
+  for part, summary in sim["comm"]["parts"].items():
+    for key, moved in summary["by_axis"].items():
+      if any(shape[a] == 1 for a in key.split(",")):
+        raise ValueError(f"retime: {sim['mesh']!r} moved bytes over {key!r}, an axis of which has size 1 on "
+                         f"mesh {mesh_spec.name!r}: the axis sizes differ")
+      items.append((part, key, moved))
+  return _times(items, mesh_spec, sim["flops"]["per_device"], overlap, efficiency)

@@ -1,0 +1,553 @@
+"""Topology-aware mesh planner: the 5D layout of N devices that the cluster simulator says trains a config
+fastest while it still fits in HBM, written out as a mesh file.
+
+  plan(cfg, devices, hardware="h200") -> Plan      ranked layouts, named naive baselines, search counts
+  to_yaml(plan, scored, name, command) -> str      a mesh file (meshes/README.md schema) with comments
+  table(plan, top) / explain(plan) -> lines        what experiments/plan_mesh.py prints
+
+Every number is a prediction of gem_jax/observe/simulate.py (bytes per collective and mesh axes, memory per
+device, seconds from the hardware's intra- and inter-node bandwidths); nothing is compiled or measured, so
+a plan is as good as that model (its docstring says what it leaves out).
+
+Search space, for N devices in nodes of `devices_per_node` (a hardware preset, HARDWARE):
+  sizes      ordered factorizations of N over (replica, fsdp, sparse, context, tensor) with context <= 8,
+             tensor <= 8 and dividing every tensor-parallel width of the model (HSTU heads, Wukong MLP
+             hidden, tower hidden; a width it does not divide stays whole and its layers run replicated),
+             and the config's global batch dividing over the data shards replica x fsdp x sparse.
+  table rows the mesh file's `rules: {table_rows: ...}`: [sparse] (the default) or [fsdp, sparse]. Rows
+             over a set with replica in it are the same layout as rows without it on a sparse axis of size
+             replica x sparse (the step and the simulator see only the product of the table's axes, and
+             whether they stay inside a node), so they are not enumerated twice; [fsdp] alone is
+             [fsdp, sparse] with sparse 1. Context and tensor devices hold the same data shard, and do not
+             take table rows.
+  placement  each split of a node over the axes: intra_a divides size_a, the intra sizes multiply to
+             devices_per_node.
+Cost: one simulate() per (sizes, rules), on abstract params built once (simulate.model_shapes); bytes and
+memory depend only on those, so each placement is only re-timed (simulate.retime). A (sizes, rules) whose
+table row blocks alone (parameters + gradients) exceed HBM is not simulated.
+
+Ranking: simulated step time among the layouts that fit (memory total <= hbm_bytes); one that does not fit
+is never ranked. "exposed comm" = step - compute: what the step waits for on the wire (lookups,
+tensor / context-parallel sums, and parameter traffic beyond the share that overlaps compute).
+
+Naive baselines (naive_layouts): "all fsdp" (every device on fsdp, table rows over fsdp: they fit when
+their row counts divide over N) and "sparse across nodes" (fsdp over the devices of a node, the embedding
+axis sparse over the nodes, the default rules), plus any hand-written mesh file the caller passes.
+
+This module must never compile or touch a device, and never rank a layout that does not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from typing import Iterator, Sequence
+
+from gem_jax.model import embeddings as embeddings_lib
+from gem_jax.observe import simulate as sim_lib
+from gem_jax.parallel import mesh as mesh_lib
+from gem_jax.parallel import spmd
+from gem_jax.parallel.mesh import Hardware, MeshSpec
+from gem_jax.parallel.rules import DATA_AXES, MESH_AXES
+
+GB = 1e9
+MAX_TENSOR = 8
+MAX_CONTEXT = 8
+TABLE_RULES = (("sparse",), ("fsdp", "sparse"))
+DEFAULT_TABLE_ROWS = ("sparse",)
+
+
+# ------------------------------------------------------------------------------------------ hardware
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """A node type: how many devices share the fast links, and each device's numbers (per device, bytes
+  and bytes/s, dense FLOP/s)."""
+  name: str
+  devices_per_node: int
+  hardware: Hardware
+  source: str
+
+
+HARDWARE: dict[str, Preset] = {p.name: p for p in (
+    Preset("h200", 8, Hardware("NVIDIA H200 SXM", 9.89e14, 1.979e15, 1.41e11, 4.8e12, 4.5e11, 5.0e10),
+           "NVIDIA H200 data sheet: 989 TFLOP/s bf16 and 1979 fp8 dense, 141 GB HBM3e at 4.8 TB/s, NVLink "
+           "900 GB/s (450 each way); one 400 Gb/s NIC per GPU (50 GB/s). Same as meshes/h200_1024_5d.yaml"),
+    Preset("h100", 8, Hardware("NVIDIA H100 SXM", 9.89e14, 1.979e15, 8.0e10, 3.35e12, 4.5e11, 5.0e10),
+           "NVIDIA H100 SXM data sheet: 989 TFLOP/s bf16 and 1979 fp8 dense (half its with-sparsity "
+           "figures), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s "
+           "ConnectX-7 per GPU (50 GB/s)"),
+)}
+
+
+def get_preset(hardware: str | Preset) -> Preset:
+  if isinstance(hardware, Preset):
+    return hardware
+  if hardware not in HARDWARE:
+    raise ValueError(f"unknown hardware {hardware!r}; known presets: {sorted(HARDWARE)}")
+  return HARDWARE[hardware]
+
+
+# ------------------------------------------------------------------------------------------ layouts
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """One candidate: axis sizes and their intra-node parts (in MESH_AXES order) and the table-row axes."""
+  sizes: tuple[int, ...]
+  intra: tuple[int, ...]
+  table_rows: tuple[str, ...] = DEFAULT_TABLE_ROWS
+
+  @classmethod
+  def of(cls, spec: MeshSpec) -> "Layout":
+    rows = dict(spec.rules)["table_rows"]
+    rows = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
+    return cls(tuple(s for _, s in spec.axes), tuple(s for _, s in spec.intra_node), rows)
+
+  def mesh_data(self, name: str, description: str, preset: Preset) -> dict:
+    """The mesh file's content (meshes/README.md)."""
+    data = {"name": name, "description": description,
+            "axes": dict(zip(MESH_AXES, self.sizes)), "devices_per_node": preset.devices_per_node,
+            "intra_node": {a: n for a, n in zip(MESH_AXES, self.intra) if n > 1},
+            "hardware": dataclasses.asdict(preset.hardware)}
+    if self.table_rows != DEFAULT_TABLE_ROWS:
+      data["rules"] = {"table_rows": list(self.table_rows)}
+    return data
+
+  def mesh_spec(self, name: str, preset: Preset) -> MeshSpec:
+    return mesh_lib.parse(self.mesh_data(name, "", preset), f"plan layout {name}")
+
+  @property
+  def axes_label(self) -> str:
+    return " ".join(f"{a}{n}" for a, n in zip(MESH_AXES, self.sizes) if n > 1) or "-"
+
+  @property
+  def intra_label(self) -> str:
+    return " ".join(f"{a}{n}" for a, n in zip(MESH_AXES, self.intra) if n > 1) or "-"
+
+  @property
+  def rows_label(self) -> str:
+    shards = math.prod(self.sizes[MESH_AXES.index(a)] for a in self.table_rows)
+    return f"{','.join(self.table_rows) or 'replicated'} ({shards})"
+
+
+def factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
+  """Every ordered tuple of `parts` positive ints whose product is n."""
+  if parts == 1:
+    return [(n,)]
+  return [(d,) + rest for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, parts - 1)]
+
+
+def tensor_widths(model_cfg) -> tuple[int, ...]:
+  """The widths a tensor axis must divide for every tensor-parallel layer to be split."""
+  return (model_cfg.hstu.num_heads, model_cfg.wukong.mlp_hidden, model_cfg.tower_hidden)
+
+
+def axis_sizes(cfg, devices: int, batch: int, max_tensor: int = MAX_TENSOR,
+               max_context: int = MAX_CONTEXT) -> list[tuple[int, ...]]:
+  """The (replica, fsdp, sparse, context, tensor) sizes the planner considers (module docstring)."""
+  widths = tensor_widths(cfg.model)
+  out = []
+  for sizes in factorizations(devices, len(MESH_AXES)):
+    shape = dict(zip(MESH_AXES, sizes))
+    if shape["tensor"] > max_tensor or shape["context"] > max_context:
+      continue
+    if any(w % shape["tensor"] for w in widths) or batch % math.prod(shape[a] for a in DATA_AXES):
+      continue
+    out.append(sizes)
+  return out
+
+
+def node_splits(sizes: Sequence[int], devices_per_node: int) -> list[tuple[int, ...]]:
+  """Every intra-node part per axis: each divides its axis size, together they fill one node."""
+  return [intra for intra in factorizations(devices_per_node, len(sizes))
+          if all(s % i == 0 for s, i in zip(sizes, intra))]
+
+
+def table_rules(sizes: Sequence[int]) -> list[tuple[str, ...]]:
+  """The distinct table-row choices for these sizes (module docstring)."""
+  shape = dict(zip(MESH_AXES, sizes))
+  return [rows for rows in TABLE_RULES if rows == DEFAULT_TABLE_ROWS or shape["fsdp"] > 1]
+
+
+def layouts(cfg, devices: int, hardware: str | Preset = "h200", *, batch_size: int | None = None,
+            max_tensor: int = MAX_TENSOR, max_context: int = MAX_CONTEXT) -> Iterator[Layout]:
+  """Every candidate layout, before pruning."""
+  preset = get_preset(hardware)
+  _check_devices(devices, preset)
+  batch = int(batch_size or cfg.data.pipeline.batch_size)
+  for sizes in axis_sizes(cfg, devices, batch, max_tensor, max_context):
+    for rows in table_rules(sizes):
+      for intra in node_splits(sizes, preset.devices_per_node):
+        yield Layout(sizes, intra, rows)
+
+
+def naive_layouts(devices: int, hardware: str | Preset = "h200") -> dict[str, Layout]:
+  """The layouts one would write without a planner (module docstring)."""
+  preset = get_preset(hardware)
+  _check_devices(devices, preset)
+  per, nodes = preset.devices_per_node, devices // preset.devices_per_node
+  return {"all fsdp": Layout((1, devices, 1, 1, 1), (1, per, 1, 1, 1), ("fsdp",)),
+          "sparse across nodes": Layout((1, per, nodes, 1, 1), (1, per, 1, 1, 1), DEFAULT_TABLE_ROWS)}
+
+
+def _check_devices(devices: int, preset: Preset) -> None:
+  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+    raise ValueError(f"devices must be a positive integer, got {devices!r}")
+  if devices % preset.devices_per_node:
+    raise ValueError(f"{devices} devices do not fill whole {preset.name} nodes of {preset.devices_per_node} "
+                     f"devices; use a multiple of {preset.devices_per_node}")
+
+
+# ------------------------------------------------------------------------------------------ scoring
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Scored:
+  """A layout on a mesh spec with its simulate() result (shared by every placement of the same sizes and
+  rules) and the times of this placement."""
+  layout: Layout
+  mesh_spec: MeshSpec
+  sim: dict
+  time: dict | None
+  name: str = ""
+
+  @property
+  def step_s(self) -> float | None:
+    return None if self.time is None else self.time["step_s"]
+
+  @property
+  def mfu(self) -> float | None:
+    if self.time is None:
+      return None
+    hw = self.mesh_spec.hardware
+    return self.sim["flops"]["model_flops_per_step"] / (self.step_s * hw.peak_bf16_flops * self.sim["devices"])
+
+  @property
+  def memory_bytes(self) -> float:
+    return self.sim["memory"]["total"]
+
+  @property
+  def fits(self) -> bool | None:
+    hbm = self.mesh_spec.hardware.hbm_bytes
+    return None if hbm is None else self.memory_bytes <= hbm
+
+  @property
+  def exposed_s(self) -> float | None:
+    return None if self.time is None else self.time["step_s"] - self.time["compute_s"]
+
+  def comm(self) -> list[tuple[float, str, str, float, str]]:
+    """(seconds, part, axes key, bytes, "intra"|"inter") per part and axes, most seconds first."""
+    hw, links = self.mesh_spec.hardware, (self.time or {}).get("bandwidth_by_axis", {})
+    out = []
+    for part, summary in self.sim["comm"]["parts"].items():
+      for key, moved in summary["by_axis"].items():
+        link = links.get(key)
+        bw = {"intra": hw.intra_node_bandwidth, "inter": hw.inter_node_bandwidth}.get(link)
+        out.append((moved / bw if bw else 0.0, part, key, moved, link or "-"))
+    return sorted(out, key=lambda x: (-x[0], -x[3]))
+
+  def biggest_axis(self) -> tuple[str, float, str] | None:
+    if not self.time or not self.time["comm_s_by_axis"]:
+      return None
+    key, s = max(self.time["comm_s_by_axis"].items(), key=lambda kv: kv[1])
+    return key, s, self.time["bandwidth_by_axis"][key]
+
+  @property
+  def table_shards(self) -> int:
+    return math.prod(self.layout.sizes[MESH_AXES.index(a)] for a in self.layout.table_rows)
+
+  @property
+  def table_sync_bytes(self) -> float:
+    """The all-reduce of the table blocks' gradients over the axes that hold copies, per device and step."""
+    return self.sim["comm"]["analytic_params"]["table_grad_sync"]
+
+
+def _sort_key(s: Scored):
+  return (s.step_s, s.memory_bytes, s.layout.sizes, s.layout.table_rows, s.layout.intra)
+
+
+def tables_of(shapes: sim_lib.ModelShapes) -> dict[str, tuple[int, float]]:
+  """name -> (rows, bytes) of the tables large enough to be row sharded (spmd.plan replicates the rest)."""
+  import jax
+  out = {}
+  for path, var in jax.tree_util.tree_leaves_with_path(shapes.params, is_leaf=spmd._is_var):
+    if isinstance(var, embeddings_lib.Table):
+      w = sim_lib._nbytes(var.get_value())
+      if w > spmd.REPLICATE_TABLE_BYTES:
+        out[str(spmd._path_names(path)[-1])] = (int(var.get_value().shape[0]), w)
+  return out
+
+
+def table_memory_bound(tables: dict[str, tuple[int, float]], shards: int) -> float:
+  """A lower bound of the memory per device: each table's row block and its gradient (a table whose rows
+  do not divide over `shards` stays whole, as spmd.plan keeps it)."""
+  return sum(2 * w / (shards if rows % shards == 0 else 1) for rows, w in tables.values())
+
+
+@dataclasses.dataclass
+class Plan:
+  config: str
+  devices: int
+  preset: Preset
+  batch_size: int
+  ranked: list[Scored]           # the layouts that fit, fastest first
+  rejected: list[Scored]         # simulated, do not fit
+  baselines: dict[str, Scored]   # naive layouts and hand-written mesh files, by name
+  baseline_errors: dict[str, str]  # baselines that cannot run this config (why)
+  counts: dict[str, int]
+  tables: dict[str, tuple[int, float]]  # row-sharded tables: name -> (rows, bytes)
+  options: dict                  # overlap, efficiency, mean_history, limits: what the numbers assume
+  seconds: float = 0.0
+
+  @property
+  def best(self) -> Scored:
+    if not self.ranked:
+      raise ValueError(f"no layout of {self.devices} {self.preset.name} devices fits config {self.config!r} in "
+                       f"{self.preset.hardware.hbm_bytes / GB:.0f} GB per device ({len(self.rejected)} tried)")
+    return self.ranked[0]
+
+  def best_baseline(self) -> tuple[str, Scored] | None:
+    fitting = [(name, s) for name, s in self.baselines.items() if s.fits and s.step_s is not None]
+    return min(fitting, key=lambda kv: kv[1].step_s) if fitting else None
+
+
+def plan(cfg, devices: int, hardware: str | Preset = "h200", *, batch_size: int | None = None,
+         mean_history: float | None = None, overlap: float = 0.9, efficiency: float = 0.5,
+         max_tensor: int = MAX_TENSOR, max_context: int = MAX_CONTEXT,
+         baseline_meshes: Sequence[MeshSpec] = (), shapes: sim_lib.ModelShapes | None = None) -> Plan:
+  """Rank every candidate layout of `devices` devices of `hardware` for `cfg` (module docstring).
+
+  baseline_meshes: hand-written mesh specs to compare with (same device count), reported by their name.
+  """
+  t0 = time.perf_counter()
+  preset = get_preset(hardware)
+  _check_devices(devices, preset)
+  if preset.hardware.hbm_bytes is None or preset.hardware.peak_bf16_flops is None:
+    raise ValueError(f"hardware preset {preset.name!r} needs hbm_bytes and peak_bf16_flops to rank layouts")
+  for name, limit in (("max_tensor", max_tensor), ("max_context", max_context)):
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+      raise ValueError(f"{name} must be a positive integer, got {limit!r}")
+  for spec in baseline_meshes:
+    if spec.num_devices != devices:
+      raise ValueError(f"baseline mesh {spec.name!r} has {spec.num_devices} devices, the plan is for {devices}")
+  batch = int(batch_size or cfg.data.pipeline.batch_size)
+  shapes = shapes or sim_lib.model_shapes(cfg)
+  kw = dict(batch_size=batch, mean_history=mean_history, overlap=overlap, efficiency=efficiency, shapes=shapes)
+  tables = tables_of(shapes)
+  hbm = preset.hardware.hbm_bytes
+
+  sizes_list = axis_sizes(cfg, devices, batch, max_tensor, max_context)
+  if not sizes_list:
+    raise ValueError(f"no way to lay {devices} devices over the five axes for config {cfg.name!r}: the global batch "
+                     f"{batch} must divide over replica x fsdp x sparse, tensor <= {max_tensor} must divide the "
+                     f"tensor-parallel widths {tensor_widths(cfg.model)}, context <= {max_context} takes the rest")
+  counts = {"axis_sizes": len(sizes_list), "sizes_and_rules": 0, "pruned_tables_exceed_hbm": 0,
+            "simulated": 0, "layouts_timed": 0, "fitting": 0}
+  scored = []
+  for sizes in sizes_list:
+    for rows in table_rules(sizes):
+      counts["sizes_and_rules"] += 1
+      if table_memory_bound(tables, math.prod(sizes[MESH_AXES.index(a)] for a in rows)) > hbm:
+        counts["pruned_tables_exceed_hbm"] += 1
+        continue
+      splits = node_splits(sizes, preset.devices_per_node)
+      specs = [Layout(sizes, intra, rows).mesh_spec("candidate", preset) for intra in splits]
+      sim = sim_lib.simulate(cfg, specs[0], **kw)
+      counts["simulated"] += 1
+      for intra, spec in zip(splits, specs):
+        t = sim_lib.retime(sim, spec, overlap=overlap, efficiency=efficiency)
+        scored.append(Scored(Layout(sizes, intra, rows), spec, sim, t))
+  counts["layouts_timed"] = len(scored)
+  ranked = sorted((s for s in scored if s.fits), key=_sort_key)
+  counts["fitting"] = len(ranked)
+
+  named = [(name, layout.mesh_spec(name.replace(" ", "_"), preset))
+           for name, layout in naive_layouts(devices, preset).items()]
+  baselines, baseline_errors = {}, {}
+  for name, spec in named + [(spec.name, spec) for spec in baseline_meshes]:
+    try:
+      sim = sim_lib.simulate(cfg, spec, **kw)
+    except mesh_lib.MeshFileError as e:  # e.g. the batch does not divide over its data shards
+      baseline_errors[name] = str(e)
+      continue
+    baselines[name] = Scored(Layout.of(spec), spec, sim,
+                             sim_lib.retime(sim, spec, overlap=overlap, efficiency=efficiency), name)
+  options = {"overlap": overlap, "efficiency": efficiency, "mean_history": mean_history,
+             "max_tensor": max_tensor, "max_context": max_context}
+  rejected = [s for s in scored if not s.fits]
+  return Plan(cfg.name, devices, preset, batch, ranked, rejected, baselines, baseline_errors, counts, tables, options,
+              time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------------------------------ output
+
+def _ms(s: float | None) -> str:
+  if s is None:
+    return "-"
+  ms = s * 1e3
+  return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}" if ms >= 1 else f"{ms:.3g}"
+
+
+def whole_tables(p: Plan, s: Scored) -> list[str]:
+  """Row-sharded tables whose rows do not divide over the layout's table shards: they stay whole."""
+  return [name for name, (rows, _) in p.tables.items() if rows % s.table_shards]
+
+
+def _tables_text(p: Plan, s: Scored) -> str:
+  whole = whole_tables(p, s)
+  text = f"table-gradient all-reduce {s.table_sync_bytes / GB:.2f} GB"
+  if whole:
+    text += f" ({', '.join(whole)} kept whole: rows do not divide over {s.table_shards} shards)"
+  return text
+
+
+def row(s: Scored) -> dict:
+  """One table row (also the JSON of a layout)."""
+  big = s.biggest_axis()
+  return {"axes": s.layout.axes_label, "intra_node": s.layout.intra_label, "table_rows": s.layout.rows_label,
+          "step_ms": None if s.step_s is None else s.step_s * 1e3, "mfu": s.mfu,
+          "memory_gb": s.memory_bytes / GB, "fits": s.fits,
+          "exposed_comm_ms": None if s.exposed_s is None else s.exposed_s * 1e3,
+          "biggest_comm": None if big is None else {"axes": big[0], "ms": big[1] * 1e3, "link": big[2]},
+          "sizes": dict(zip(MESH_AXES, s.layout.sizes)), "intra": dict(zip(MESH_AXES, s.layout.intra))}
+
+
+def _cells(label: str, s: Scored) -> list[str]:
+  r = row(s)
+  big = r["biggest_comm"]
+  return [label, r["axes"], r["intra_node"], r["table_rows"], _ms(s.step_s),
+          "-" if s.mfu is None else f"{100 * s.mfu:.1f}%", f"{r['memory_gb']:.1f}",
+          {True: "yes", False: "NO", None: "-"}[s.fits], _ms(s.exposed_s),
+          "-" if big is None else f"{big['axes']} {big['ms']:.2f} ms ({big['link']})"]
+
+
+def table(p: Plan, top: int = 10) -> list[str]:
+  """Markdown table: the `top` ranked layouts, then the baselines."""
+  head = ["rank", "axes (size > 1)", "inside a node", "table rows over (shards)", "step ms", "MFU",
+          "GB/device", "fits", "exposed comm ms", "biggest comm (axes, time, link)"]
+  body = [_cells(str(i + 1), s) for i, s in enumerate(p.ranked[:top])]
+  body += [_cells(f"naive: {name}", s) for name, s in p.baselines.items()]
+  widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+  fmt = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+  return [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(r) for r in body]
+
+
+def _costs(s: Scored, n: int = 3) -> str:
+  parts = []
+  for sec, part, key, moved, link in s.comm()[:n]:
+    parts.append(f"{part} over {key} {moved / GB:.2f} GB = {sec * 1e3:.1f} ms ({link})")
+  return "; ".join(parts)
+
+
+def explain(p: Plan) -> list[str]:
+  """How the best plan compares with the baselines and why, from the simulated numbers."""
+  best = p.best
+  hw = p.preset.hardware
+  flops = best.sim["flops"]["model_flops_per_step"]
+  lines = [f"Every layout computes for {_ms(best.time['compute_s'])} ms/step ({flops:.3g} model FLOPs over "
+           f"{p.devices} devices at {p.options['efficiency']:.0%} of "
+           f"{hw.peak_bf16_flops / 1e12:.0f} TFLOP/s); they differ in communication, of which only parameter "
+           f"collectives may hide behind compute (up to {p.options['overlap']:.0%} of it). Links: "
+           f"{hw.intra_node_bandwidth / GB:.0f} GB/s inside a node, {hw.inter_node_bandwidth / GB:.0f} GB/s across."]
+  lines.append(f"Plan 1 ({best.layout.axes_label}; inside a node {best.layout.intra_label}; rows over "
+               f"{best.layout.rows_label}): {_ms(best.step_s)} ms, {best.memory_bytes / GB:.1f} GB/device, "
+               f"{_tables_text(p, best)}. Largest costs: {_costs(best)}.")
+  for name, s in p.baselines.items():
+    fits = "fits" if s.fits else f"does NOT fit ({hw.hbm_bytes / GB:.0f} GB HBM)"
+    same = " - the same layout as plan 1" if s.layout == best.layout else ""
+    lines.append(f"{name} ({s.layout.axes_label}; inside a node {s.layout.intra_label}; rows over "
+                 f"{s.layout.rows_label}){same}: {_ms(s.step_s)} ms, {s.memory_bytes / GB:.1f} GB/device, {fits}; "
+                 f"{_tables_text(p, s)}. Largest costs: {_costs(s)}.")
+  total = sum(w for _, w in p.tables.values())
+  for name, why in p.baseline_errors.items():
+    lines.append(f"{name}: cannot run this config: {why}.")
+  capped = {name: math.gcd(rows, p.devices) for name, (rows, w) in p.tables.items()
+            if math.gcd(rows, p.devices) < p.devices and w >= 0.01 * total}  # the tables that weigh
+  if capped:
+    lines.append("Row sharding is capped by divisibility (a dim that does not divide over its axes stays whole, "
+                 "spmd.plan): " + ", ".join(f"{name} ({p.tables[name][0]:,} rows) over at most {n} of the "
+                                            f"{p.devices} devices" for name, n in capped.items())
+                 + "; no layout can give every device its own rows of those.")
+  base = p.best_baseline()
+  if base is None:
+    lines.append("No naive layout fits in HBM, so there is no fitting baseline to compare the plan with.")
+  else:
+    lines.append(f"Speedup of plan 1 over the best naive layout that fits ({base[0]}, {_ms(base[1].step_s)} ms): "
+                 f"{base[1].step_s / best.step_s:.2f}x.")
+  return lines
+
+
+def _yaml_float(x: float | None) -> str:
+  if x is None:
+    return "null"
+  text = f"{x:.6g}"
+  if "e" in text and "." not in text.split("e")[0]:
+    mant, exp = text.split("e")
+    text = f"{mant}.0e{exp}"  # YAML 1.1 reads a float only with a dot in it
+  return text
+
+
+def to_yaml(p: Plan, s: Scored, name: str, command: str = "") -> str:
+  """The mesh file of layout `s`, with comments that say where it comes from and why each axis lies where
+  it does (collectives by mesh axes, from the simulation)."""
+  hw, per = p.preset.hardware, p.preset.devices_per_node
+  rank = next((i + 1 for i, r in enumerate(p.ranked) if r is s), None)
+  lay = s.layout
+  out = ["# Planned by experiments/plan_mesh.py (gem_jax/observe/plan.py)" + (":" if command else ".")]
+  out += [f"#   {command}"] if command else []
+  out += [f"# Config {p.config}, global batch {p.batch_size}, {p.devices} x {hw.device} = {p.devices // per} nodes "
+          f"of {per}. Predicted by the",
+          f"# cluster simulator (gem_jax/observe/simulate.py, overlap {p.options['overlap']}, efficiency "
+          f"{p.options['efficiency']}), not measured: step {_ms(s.step_s)} ms",
+          f"# (compute {_ms(s.time['compute_s'])} ms), MFU {100 * s.mfu:.1f}%, {s.memory_bytes / GB:.1f} GB of "
+          f"{hw.hbm_bytes / GB:.0f} GB HBM per device"
+          + (f"; rank {rank} of {len(p.ranked)} fitting layouts ({p.counts['layouts_timed']} timed)." if rank else "."),
+          f"# Inside a node ({hw.intra_node_bandwidth / GB:.0f} GB/s per device): {lay.intra_label}. Across nodes "
+          f"({hw.inter_node_bandwidth / GB:.0f} GB/s): "
+          + (" ".join(f"{a}{n // i}" for a, n, i in zip(MESH_AXES, lay.sizes, lay.intra) if n // i > 1) or "-") + ".",
+          "# Per device and step, by the mesh axes a collective runs over:"]
+  by_key: dict[str, list] = {}
+  for sec, part, key, moved, link in s.comm():
+    entry = by_key.setdefault(key, [0.0, 0.0, link, []])
+    entry[0] += sec
+    entry[1] += moved
+    entry[3].append(part)
+  for key, (sec, moved, link, parts) in sorted(by_key.items(), key=lambda kv: -kv[1][0]):
+    out.append(f"#   {key:<28} {link:<5} {moved / GB:8.3f} GB {sec * 1e3:8.2f} ms  {', '.join(parts)}")
+  rows = " x ".join(lay.table_rows) or "nothing"
+  shape = s.mesh_spec.shape
+  copies = [a for a in MESH_AXES if a not in lay.table_rows and shape[a] > 1]
+  if s.table_sync_bytes <= 1e-3 * GB:
+    out.append(f"# Table rows over {rows} = {s.table_shards} shards: every device owns its own rows, so no row "
+               "block's gradient is all-reduced.")
+  else:
+    out.append(f"# Table rows over {rows} = {s.table_shards} shards; each block is copied over "
+               f"{', '.join(copies) or 'no axis'}, whose devices")
+    out.append(f"# all-reduce its gradient: {s.table_sync_bytes / GB:.2f} GB per device and step.")
+  whole = whole_tables(p, s)
+  if whole:
+    out.append(f"# {', '.join(whole)}: rows do not divide over {s.table_shards} shards, kept whole.")
+  data = lay.mesh_data(name, "", p.preset)
+  axes = ", ".join(f"{a}: {n}" for a, n in data["axes"].items())
+  intra = ", ".join(f"{a}: {n}" for a, n in data["intra_node"].items())
+  description = (f"planned for {p.config} on {p.devices} {hw.device} ({p.devices // per} nodes of {per}), "
+                 f"predicted {_ms(s.step_s)} ms/step")
+  out += [f"name: {name}", f"description: {json.dumps(description)}",  # a JSON string is a YAML string
+          f"axes: {{{axes}}}", f"devices_per_node: {per}", f"intra_node: {{{intra}}}", "hardware:",
+          f"  device: {json.dumps(hw.device)}"]
+  out += [f"  {k}: {_yaml_float(getattr(hw, k))}" for k in mesh_lib.HARDWARE_KEYS[1:]]
+  if "rules" in data:
+    out.append(f"rules: {{table_rows: [{', '.join(lay.table_rows)}]}}")
+  return "\n".join(out) + "\n"
+
+
+def to_json(p: Plan, top: int = 10) -> dict:
+  return {"config": p.config, "devices": p.devices, "hardware": p.preset.name, "batch_size": p.batch_size,
+          "options": p.options, "counts": p.counts, "seconds": p.seconds,
+          "ranked": [row(s) for s in p.ranked[:top]],
+          "baselines": {name: row(s) for name, s in p.baselines.items()}, "baseline_errors": p.baseline_errors,
+          "best_baseline": None if p.best_baseline() is None else p.best_baseline()[0],
+          "speedup_over_best_fitting_baseline": (None if not p.ranked or p.best_baseline() is None
+                                                 else p.best_baseline()[1].step_s / p.best.step_s),
+          "explanation": explain(p) if p.ranked else []}
