@@ -41,6 +41,8 @@ def main(argv=None) -> int:
   p.add_argument("--local-devices", type=int, default=None,
                  help="CPU devices of this process (default: all the mesh needs, in one process)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--no-report", action="store_true",
+                 help="skip the efficiency report (report.json, plots/, profile/ and the table)")
   args = p.parse_args(argv)
 
   from gem_jax.parallel import distributed
@@ -59,10 +61,10 @@ def main(argv=None) -> int:
   cfg = apply_overrides(configs.get(args.config), args.set)
   if args.mesh:
     cfg = apply_overrides(cfg, [f"mesh={args.mesh}"])
-  summary = train(cfg, args.out, resume=args.resume, progress=not args.no_progress)
+  summary = train(cfg, args.out, resume=args.resume, progress=not args.no_progress, report=not args.no_report)
   import jax
   if jax.process_index() == 0:
-      print(json.dumps({"steps": summary["steps"], "examples_per_s": summary["examples_per_s"],
+    print(json.dumps({"steps": summary["steps"], "examples_per_s": summary["examples_per_s"],
                       "tasks": summary["tasks"]}, indent=2))
   return 0
 

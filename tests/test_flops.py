@@ -75,3 +75,13 @@ def test_param_counts_split_sparse_and_dense():
   assert counts["sparse"] == sum(t.vocab_size * t.dim for t in cfg.data.spec.tables)
   graphdef, params = nnx.split(GEM(cfg.data.spec, cfg.model, rngs=nnx.Rngs(0)), nnx.Param)
   assert counts["sparse"] + counts["dense"] == sum(x.size for x in jax.tree_util.tree_leaves(params))
+
+
+def test_tiled_attention_tiles_match_the_kernels_own_count():
+  from pallas_kernels.hstu_attention import tiled
+  rng = np.random.default_rng(0)
+  for c in (0, 3, 20):
+    n = rng.integers(0, 120, size=17) + c + 1
+    offsets = np.concatenate([[0], np.cumsum(n)])
+    want = tiled.executed_pairs(offsets, c + 100, 16, num_targets=np.ones(17, np.int32), contextual_seq_len=c)
+    assert flops.tiled_attention_tiles(n, max_seq_len=c + 100, num_contextual=c) * 256 == want

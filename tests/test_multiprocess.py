@@ -1,5 +1,7 @@
 """Multi-process training: 2 processes x 4 CPU devices train exactly what 1 process x 8 devices trains.
 
+The one-process run also writes the efficiency report, which is checked like a user's cpu_8 run.
+
 Both runs are experiments/train.py subprocesses on meshes/cpu_8.yaml (fsdp spans the two processes), with
 their environment set explicitly: the 8-device XLA_FLAGS of conftest.py would give every process 8.
 """
@@ -17,6 +19,7 @@ import pytest
 
 from gem_jax.parallel import distributed
 from gem_jax.parallel.distributed import ProcessSetup
+from tests.test_report import check_run_report
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -78,9 +81,12 @@ def test_two_processes_train_what_one_process_trains(tmp_path):
   one, two = tmp_path / "one", tmp_path / "two"
   port = _free_port()
   multi = ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--local-devices", "4"]
-  procs = [_launch(two, tmp_path / f"two_p{i}.log", *multi, "--process-id", str(i)) for i in (0, 1)]
-  procs.append(_launch(one, tmp_path / "one.log"))
+  procs = [_launch(two, tmp_path / f"two_p{i}.log", *multi, "--process-id", str(i), "--no-report")
+           for i in (0, 1)]
+  procs.append(_launch(one, tmp_path / "one.log"))   # with the efficiency report, as a user's run
   _wait_all(procs)
+  check_run_report(one, num_devices=8, log=tmp_path / "one.log")
+  assert not (two / "report.json").exists()
 
   got, want = _records(two), _records(one)
   loss = lambda records: {r["step"]: r["loss"] for r in records if "loss" in r}

@@ -9,6 +9,7 @@ import pytest
 from gem_jax import configs
 from gem_jax.config import apply_overrides
 from gem_jax.train.loop import train
+from tests.test_report import check_run_report
 
 STEPS = 12
 
@@ -30,6 +31,8 @@ def _losses(out_dir):
 def test_tiny_run_writes_outputs_and_resume_is_exact(tmp_path):
   full, part = str(tmp_path / "full"), str(tmp_path / "part")
   summary = train(_tiny(), full, progress=False)
+  check_run_report(full, num_devices=1)
+  assert set(summary["efficiency"]) >= {"mfu", "padding_waste", "step_time_s"}
   for key in ("steps", "examples_per_s"):
     assert summary[key] is not None
   for task in ("click", "conversion"):
@@ -43,7 +46,8 @@ def test_tiny_run_writes_outputs_and_resume_is_exact(tmp_path):
   # Interrupted after step 8 (a checkpoint step), then resumed: the same losses, bit for bit.
   train(_tiny(), part, progress=False, stop_after=8)
   assert max(_losses(part)) == 8
-  train(_tiny(), part, resume=True, progress=False)
+  assert not os.path.exists(os.path.join(part, "report.json"))   # a stopped run writes no report
+  train(_tiny(), part, resume=True, progress=False, report=False)
   expected, got = _losses(full), _losses(part)
   assert sorted(got) == list(range(1, STEPS + 1))
   for step in range(1, STEPS + 1):
@@ -52,7 +56,7 @@ def test_tiny_run_writes_outputs_and_resume_is_exact(tmp_path):
 
 def test_resume_from_an_empty_folder_starts_at_step_zero(tmp_path):
   summary = train(_tiny(**{"train.steps": 2}), str(tmp_path), resume=True,
-                  progress=False)
+                  progress=False, report=False)
   assert summary["steps_this_run"] == 2
   with pytest.raises(FileExistsError, match="--resume"):
     train(_tiny(**{"train.steps": 2}), str(tmp_path), progress=False)

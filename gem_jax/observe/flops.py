@@ -135,3 +135,42 @@ def param_counts(cfg: ModelConfig, spec: FeatureSpec) -> dict:
 def _leaves(state):
   import jax
   return jax.tree_util.tree_leaves(state)
+
+
+TILED_BLOCK = 16  # pallas_kernels/hstu_attention/tiled.py's default tile edge, which the model uses
+
+
+def tiled_attention_tiles(seq_lengths_B, *, max_seq_len: int, num_contextual: int, block: int = TILED_BLOCK) -> int:
+  """Tiles the tiled HSTU kernel ("xla" impl, causal) walks for rows of these lengths, counted on the host.
+
+  Per row of n tokens (clipped to max_seq_len), nb = ceil(n / block) query blocks: a query block that
+  starts inside the contextual tokens sees every key block (nb tiles), any other block qb sees key
+  blocks 0..qb (qb + 1 tiles); the same enumeration as tiled._key_block_range without max_attn_len.
+  """
+  n_B = np.minimum(np.asarray(seq_lengths_B, np.int64), max_seq_len)
+  if block < 1 or np.any(n_B < 0):
+    raise ValueError(f"tiled_attention_tiles: block ({block}) must be >= 1 and lengths >= 0")
+  nb_B = -(-n_B // block)
+  ctx_blocks = -(-num_contextual // block) if num_contextual > 0 else 0
+  ctx_B = np.minimum(ctx_blocks, nb_B)   # query blocks starting inside the contextual tokens
+  causal = nb_B * (nb_B + 1) // 2
+  # Contextual blocks qb < ctx see nb tiles instead of qb + 1: extra sum over qb < ctx of (nb - qb - 1).
+  extra = ctx_B * nb_B - ctx_B * (ctx_B + 1) // 2
+  return int((causal + extra).sum())
+
+
+def tiled_attention_train_flops(cfg: ModelConfig, lengths_B, *, block: int = TILED_BLOCK) -> float:
+  """FLOPs a train step spends inside the tiled HSTU attention loops for histories `lengths_B` (every
+  row of the batch, padding rows included: the kernel walks their contextual and target tokens too).
+
+  XLA's cost analysis counts a while loop's body once, so the trainer's executed FLOPs add this count.
+  Per (pair, head) of a walked tile: forward q.k (2 Dh) and w.v (2 Dv); backward recomputes q.k and does
+  dw, dq, dk, dv (2 (3 Dh + 2 Dv)); pointwise work three times ATTN_POINTWISE_FLOPS (forward, backward).
+  """
+  h = cfg.hstu
+  per_pair_head = 2 * (4 * h.head_dim + 3 * h.value_dim) + 3 * ATTN_POINTWISE_FLOPS
+  total = 0
+  for layer, kept in enumerate(_history_lengths_per_layer(cfg, lengths_B)):
+    total += tiled_attention_tiles(h.num_contextual + kept + 1, max_seq_len=cfg.max_seq_len(layer),
+                                   num_contextual=h.num_contextual, block=block)
+  return float(total) * block * block * h.num_heads * per_pair_head

@@ -124,8 +124,9 @@ def build(*, model_flops_per_step: float, step_times_s: Sequence[float], num_dev
   optimizer_flops_per_step: `optimizer_flops(...)`, left out of padding_waste (not of HFU).
   peak_flops_per_device: the mesh file's peak; None -> a measured GEMM (if measure_peak) in peak_dtype.
   history_lengths / num_shards: the step's rows, for rank_imbalance (num_shards: data shards).
-  one_device: {"step_time_s", "model_flops_per_step", "examples_per_step"} of the same per-device batch on
-    one device; with num_devices == 1 this run is its own one-device measurement.
+  one_device: {"step_time_s", "model_flops_per_step", "examples_per_step"[, "peak_flops_per_device"]} of
+    the same per-device batch on one device; with num_devices == 1 this run is its own one-device
+    measurement.
   """
   notes: list[str] = []
   times = [float(t) for t in step_times_s]
@@ -188,7 +189,8 @@ def build(*, model_flops_per_step: float, step_times_s: Sequence[float], num_dev
   local_mfu = scaling = None
   if one_device is not None:
     t1 = float(one_device["step_time_s"])
-    local_mfu = one_device["model_flops_per_step"] / t1 / peak if peak else None
+    one_peak = one_device.get("peak_flops_per_device") or peak   # CPU: the whole host, not a share
+    local_mfu = one_device["model_flops_per_step"] / t1 / one_peak if one_peak else None
     if examples_per_s is not None:
       scaling = examples_per_s / (num_devices * one_device["examples_per_step"] / t1)
   else:
@@ -234,9 +236,8 @@ def _fmt(value: Any) -> str:
 def console_table(report: dict) -> str:
   """Two columns, one line per number (nested dicts flattened as parent.child); notes at the end."""
   rows: list[tuple[str, str]] = []
-  for key in KEYS:
-    if key == "notes":
-      continue
+  extra = [k for k in report if k not in KEYS and k != "history"]
+  for key in [k for k in KEYS if k != "notes"] + extra:
     value = report.get(key)
     if isinstance(value, dict):
       rows.append((key, "" if value else "-"))
@@ -284,11 +285,22 @@ def plot(report: dict, history: dict, out_dir: str) -> list[str]:
           "comm_by_axis.png": ((report.get("comm_bytes_per_step") or {}).get("by_axis"), "bytes / device / step"),
           "memory_by_kind.png": (report.get("memory_bytes_per_device"), "bytes / device")}
   for name, (values, label) in bars.items():
+    limit = None
+    if name == "rank_imbalance.png" and values:   # the ratios, not the shard and step counts
+      values = {k: v for k, v in values.items() if k not in ("num_shards", "steps")}
+    if name == "memory_by_kind.png" and values:   # HBM as a line; XLA's bookkeeping kinds left out
+      limit = values.get("hbm_bytes")
+      values = {k: v for k, v in values.items()
+                if k not in ("hbm_bytes", "alias", "generated_code", "peak_reported") and v is not None}
     if not values:
       continue
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.bar(list(values), [float(v) for v in values.values()])
+    if limit:
+      ax.axhline(float(limit), color="red", linestyle="--", label="HBM")
+      ax.legend()
     ax.set_ylabel(label)
     ax.tick_params(axis="x", labelrotation=30)
+    plt.setp(ax.get_xticklabels(), ha="right")
     save(fig, name)
   return paths

@@ -6,6 +6,13 @@ has been dispatched. It writes into `out_dir`:
   checkpoints/    orbax checkpoints (train state + data iterator state), every train.checkpoint_every
   summary.json    steps, examples/s, and per task eval NE / AUC / calibration next to baseline_ne
                   (predicting the training base rate) and optimal_ne (the planted model, synthetic data)
+  report.json     the efficiency report (gem_jax/observe/report.py, meter.py): model vs executed FLOPs,
+                  padding waste, MFU/HFU, step time and its profiled breakdown, rank imbalance, comm bytes
+                  by kind and mesh axis, memory by kind, compile time; local MFU and scaling efficiency
+                  (a mesh run times the same per-device batch on one device after training)
+  plots/          PNGs of loss, MFU and step time per step, imbalance, comm by axis, memory by kind
+  profile/        the jax.profiler trace of a few steady steps (the report's compute/collective split)
+The report's table is printed at the end of the run.
 In a multi-process run every process runs this same function on the same global batches (each places
 only its own data shards) and takes part in every checkpoint; only process 0 writes metrics.jsonl,
 summary.json and the progress bar, so the run folder looks like that of a single-process run.
@@ -30,6 +37,8 @@ from gem_jax.data import pipeline
 from gem_jax.data.synthetic import SyntheticAdsStream
 from gem_jax.model.gem import GEM
 from gem_jax.observe import flops
+from gem_jax.observe import meter as meter_lib
+from gem_jax.observe import report as report_lib
 from gem_jax.parallel import mesh as mesh_lib
 from gem_jax.parallel import spmd
 from gem_jax.train import metrics as metrics_lib
@@ -97,11 +106,12 @@ def evaluate(eval_step, params, batches, spec, device_batch=None) -> tuple[dict,
 
 
 def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = True,
-          stop_after: int | None = None) -> dict:
+          stop_after: int | None = None, report: bool = True) -> dict:
   """Trains `cfg` and returns the summary (also written to out_dir/summary.json).
 
   stop_after: end this process after that step (with a checkpoint there), as if interrupted; a later
   call with resume=True continues the same run (same schedule, same data) to cfg.train.steps.
+  report: write report.json, plots/ and the console table (a run that stops early writes none).
   """
   os.makedirs(out_dir, exist_ok=True)
   tc, spec = cfg.train, cfg.data.spec
@@ -122,6 +132,7 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
   del model, params_for_opt
   eval_place = None
   device_batch = None  # host batch -> the train step's input (identity on one device)
+  mesh_spec = mesh = None
   if cfg.mesh is None:
     train_step = make_train_step(graphdef, rest, optimizer, spec)
     eval_step = make_eval_step(graphdef, rest)
@@ -151,14 +162,29 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
   log = _JsonlWriter(os.path.join(out_dir, "metrics.jsonl") if writes_files else None,
                      start_step if start_step > 0 else None)
 
-  # ---- loop --------------------------------------------------------------------------------------
+  # ---- efficiency meter (observe/meter.py): numbers on the host, never a block in the loop ------------
   batch_size = cfg.data.pipeline.batch_size
+  end_step = tc.steps if stop_after is None else min(stop_after, tc.steps)
+  reporting = report and writes_files and end_step == tc.steps
+  meter = optimizer_flops = None
+  if reporting:
+    num_devices = 1 if mesh_spec is None else mesh_spec.num_devices
+    meter = meter_lib.RunMeter(cfg, num_devices=num_devices, mesh_spec=mesh_spec, out_dir=out_dir,
+                               data_shards=1 if mesh_spec is None else mesh_spec.data_shards,
+                               start_step=start_step, end_step=end_step)
+    # Before the first step donates the state.
+    optimizer_flops = meter_lib.optimizer_flops_sharded(optimizer, state.params, state.opt_state, num_devices)
+    meter.state_bytes(state)
+  history = {"loss": [], "mfu": [], "step_time_s": []}
+
+  # ---- loop --------------------------------------------------------------------------------------
   bar = None
   if progress and writes_files:
     from tqdm import tqdm
     bar = tqdm(total=tc.steps, initial=start_step, unit="step", dynamic_ncols=True)
   pending = None  # (step, metrics on device) of the last dispatched step, read one step later
   compile_s, t_first = None, None
+  programs: dict[tuple, list] = {}  # batch shapes -> [compiled step, steps run]
   model_flops, examples, history_tokens = 0.0, 0, 0  # over the batches of this run (real rows only)
 
   def drain(pending):
@@ -168,8 +194,10 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
       raise FloatingPointError(f"non-finite loss {host['loss']} at step {step}; stopping the run")
     return step, host
 
-  end_step = tc.steps if stop_after is None else min(stop_after, tc.steps)
   for step in range(start_step, end_step):
+    if meter is not None:
+      meter.profile_hook(step)
+      meter.batch_started()
     batch = next(train_iter)
     labels = np.asarray(batch.labels_BxK) * np.asarray(batch.label_mask_BxK)
     positives += labels.sum(0)
@@ -178,14 +206,28 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
     model_flops += flops.model_flops(cfg.model, spec, lengths)
     examples += lengths.size
     history_tokens += int(lengths.sum())
-    t0 = time.perf_counter()
-    state, dev_metrics = train_step(state, device_batch(batch) if device_batch else batch)
-    if compile_s is None:
+    step_batch = device_batch(batch) if device_batch else batch
+    if meter is not None:
+      meter.batch(step, batch)
+    if meter is not None or compile_s is None:
+      # Each new batch shape (history bucket) is compiled ahead of time, to time the compile alone and
+      # read the program; the call below hits jit's cache.
+      shapes = tuple(np.shape(x) for x in jax.tree_util.tree_leaves(step_batch))
+      if shapes not in programs:
+        t0 = time.perf_counter()
+        programs[shapes] = [train_step.lower(state, step_batch).compile(), 0]
+        compile_s = (compile_s or 0.0) + time.perf_counter() - t0
+      programs[shapes][1] += 1
+    state, dev_metrics = train_step(state, step_batch)
+    if t_first is None:
       jax.block_until_ready(dev_metrics)
-      compile_s = time.perf_counter() - t0
       t_first = time.perf_counter()
     if pending is not None:
       s, host = drain(pending)
+      if meter is not None:
+        host.update(meter.drained(s))
+      for key in history:
+        history[key].append(host.get(key))
       if (s + 1) % tc.log_every == 0:
         elapsed = time.perf_counter() - t_first
         done = s + 1 - start_step - 1
@@ -197,16 +239,24 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
     if bar is not None:
       bar.update(1)
     if ckpt.should_save(step + 1) or step + 1 in (tc.steps, end_step):
+      if meter is not None:
+        meter.mark_busy(step + 1)
       # A copy: the next step donates `state`, and an async save must not read donated buffers.
       ckpt.save(step + 1, jax.tree_util.tree_map(jnp.copy, state),
                 {"data": train_iter.get_state(), "label_positives": positives.tolist(),
                  "label_counts": seen.tolist()}, force=True)
     if (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
+      if meter is not None:
+        meter.mark_busy(step + 1)
       model_metrics, _ = evaluate(eval_step, state.params, eval_batches, spec, eval_place)
       rec = {"eval_step": step + 1, **{f"{t}/{k}": v for t, m in model_metrics.items() for k, v in m.items()}}
       log.write(rec)
   if pending is not None:
     s, host = drain(pending)
+    if meter is not None:
+      host.update(meter.drained(s))
+    for key in history:
+      history[key].append(host.get(key))
     host.update(step=s + 1)
     log.write(host)
   jax.block_until_ready(state)
@@ -247,10 +297,50 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
       "mean_history_length": history_tokens / max(examples, 1),
       "tasks": tasks,
   }
+  if meter is not None:
+    # The report reads the program most steps ran (one per history bucket).
+    compiled, _ = max(programs.values(), key=lambda p: p[1])
+    if len(programs) > 1:
+      meter.notes.append(f"compile_s: {len(programs)} programs (one per history bucket); FLOPs, comm and "
+                         f"memory are those of the one most steps ran")
+    eff = _efficiency_report(cfg, out_dir, meter, compiled=compiled, mesh=mesh, mesh_spec=mesh_spec,
+                             optimizer_flops=optimizer_flops, compile_s=compile_s,
+                             time_to_first_step_s=t_first - t_start if t_first else None, history=history)
+    summary["efficiency"] = {k: eff[k] for k in ("mfu", "hfu", "padding_waste", "step_time_s", "local_mfu",
+                                                 "scaling_efficiency")}
   if writes_files:
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
   return summary
+
+
+def _efficiency_report(cfg, out_dir, meter, *, compiled, mesh, mesh_spec, optimizer_flops, compile_s,
+                       time_to_first_step_s, history) -> dict:
+  """report.json, plots/ and the console table (process 0, after training and the final eval)."""
+  one_device = None
+  if mesh_spec is not None and mesh_spec.num_devices > 1:
+    per_device = cfg.data.pipeline.batch_size // mesh_spec.num_devices
+    if per_device >= 1:
+      one_device = meter_lib.one_device_baseline(cfg, per_device, meter.host_peak)
+    else:
+      meter.notes.append(f"local_mfu / scaling_efficiency: batch {cfg.data.pipeline.batch_size} is smaller "
+                         f"than the {mesh_spec.num_devices} devices")
+  rep = meter.finish(compiled=compiled, mesh=mesh, optimizer_flops_per_step=optimizer_flops,
+                     compile_s=compile_s, time_to_first_step_s=time_to_first_step_s, one_device=one_device,
+                     history=history)
+  if one_device is not None:
+    rep["one_device_baseline"] = one_device
+    if jax.default_backend() == "cpu":
+      rep["notes"].append(f"scaling_efficiency: the {mesh_spec.num_devices} virtual CPU devices share this host's "
+                          f"{os.cpu_count()} cores, so its ceiling here is about {os.cpu_count()}/"
+                          f"{mesh_spec.num_devices}, not 1")
+  plots = report_lib.plot(rep, history, os.path.join(out_dir, "plots"))
+  rep["plots"] = [os.path.relpath(p, out_dir) for p in plots]
+  with open(os.path.join(out_dir, "report.json"), "w") as f:
+    json.dump(rep, f, indent=2, default=float)
+  print(f"\nefficiency report ({os.path.join(out_dir, 'report.json')}):\n" + report_lib.console_table(rep),
+        flush=True)
+  return rep
 
 
 def _eval_labels(batches, k: int):

@@ -1,0 +1,61 @@
+"""The step-time breakdown from a jax.profiler trace: top-level events only, collectives by op name."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from gem_jax.observe import profile
+
+
+def _event(name, start, dur):
+  return types.SimpleNamespace(name=name, start_ns=start, duration_ns=dur)
+
+
+def _plane(name, lines):
+  return types.SimpleNamespace(name=name, lines=[types.SimpleNamespace(name=n, events=e) for n, e in lines])
+
+
+def test_classify_counts_top_level_events_and_splits_collectives():
+  host = _plane("/host:CPU", [
+      ("python", [_event("PjitFunction(f)", 0, 10_000)]),     # not an XLA line: ignored
+      ("tf_XLAEigen/1", [_event("fusion.3", 0, 100), _event("ThreadpoolListener::Record", 5, 0),
+                         _event("all-reduce.1", 200, 50), _event("Rendezvous", 210, 30),   # nested
+                         _event("end: all-reduce.1", 250, 1), _event("dot.2", 300, 40)]),
+      ("tf_XLAEigen/2", [_event("all-to-all.7", 0, 20)]),
+      # Runtime bookkeeping wraps thunks on the client threads: only the HLO-named events count.
+      ("tf_XLAPjRtCpuClient/3", [_event("ThunkExecutor::Execute (wait for completion)", 0, 1000),
+                                 _event("all-gather.1", 10, 30), _event("Wait: pending_threads=1/2", 12, 20),
+                                 _event("wrapped_copy", 50, 5)]),
+  ])
+  got = profile.classify([host])
+  assert got == {"compute_ns": 145, "collective_ns": 100, "events": 6, "source": "host XLA worker threads"}
+  # GPU planes win over host threads when present.
+  gpu = _plane("/device:GPU:0", [("XLA Ops", [_event("reduce-scatter.2", 0, 30), _event("gemm_fusion", 40, 60)]),
+                                 ("Other", [_event("memcpy", 0, 1000)])])
+  got = profile.classify([host, gpu])
+  assert got["source"] == "device XLA Ops lines" and (got["compute_ns"], got["collective_ns"]) == (60, 30)
+  assert profile.classify([_plane("/host:CPU", [("python", [_event("x", 0, 5)])])]) is None
+
+
+def test_trace_of_a_sharded_program_has_compute_and_collectives(tmp_path):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+  x = jax.device_put(jnp.ones((256, 256)), NamedSharding(mesh, P("d")))
+  f = jax.jit(lambda x: jnp.sum((x @ x.T) @ x))
+  f(x).block_until_ready()
+  trace = profile.StepTrace(str(tmp_path / "trace"))
+  trace.start()
+  for _ in range(3):
+    f(x).block_until_ready()
+  trace.stop()
+  got = trace.breakdown(num_steps=3, num_devices=2)
+  assert got is not None, trace.error
+  assert got["compute_s"] > 0 and got["collective_s"] > 0 and 0 < got["collective_fraction"] < 1, got
+
+
+def test_breakdown_without_a_trace_says_why(tmp_path):
+  trace = profile.StepTrace(str(tmp_path / "empty"))
+  assert trace.breakdown(num_steps=1, num_devices=1) is None
+  assert "xplane" in trace.error
