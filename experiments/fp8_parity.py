@@ -7,15 +7,16 @@
 Each policy (gem_jax/precision/policy.py) trains from the same initial parameters on the same batches;
 only the Dense sites' matmuls differ. Writes --out JSON with, per policy: final eval NE / AUC per task,
 `rel_ne_gap` = (NE - NE_bf16) / NE_bf16 per task, the share of the Dense matmul FLOPs under each recipe
-(rows from a probe capture: tokens for sequence sites, examples for the rest), the train step's
-compiled memory (temp bytes: activations saved for backward and workspace) and the wall time; and a PNG
-of the train loss curves next to it. On CPU every FP8 recipe is emulated, so times say nothing about GPU
-speed; the numbers that matter here are the NE gaps.
+(rows per site as a probe capture sees them: tokens for sequence sites, examples for the rest), the
+train step's compiled memory (temp bytes: activations saved for backward and workspace) and the wall
+time; and a PNG of the train loss curves next to it. On CPU every FP8 recipe is emulated, so times say
+nothing about GPU speed; the numbers that matter here are the NE gaps.
 """
 
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -29,7 +30,7 @@ from gem_jax.config import apply_overrides
 from gem_jax.data import pipeline
 from gem_jax.data.synthetic import SyntheticAdsStream
 from gem_jax.model.gem import GEM
-from gem_jax.precision import policy, probe
+from gem_jax.precision import policy
 from gem_jax.precision.policy import POLICIES, PrecisionConfig
 from gem_jax.train.loop import train
 from gem_jax.train.optim import make_optimizer
@@ -58,10 +59,26 @@ def step_memory(cfg, batch) -> dict:
                                             "output_size_in_bytes") if hasattr(mem, k)}
 
 
+def site_rows(model, batch) -> dict[str, int]:
+  """{site: rows of its input on `batch`} (tokens for sequence sites, examples for the rest): the rows of a
+  probe capture, read from shapes alone. The forward is traced abstractly (jax.eval_shape), so nothing
+  is compiled or run."""
+  graphdef, state = nnx.split(model)
+
+  def site_inputs(state, batch):
+    inputs = {}
+    with policy.probing(inputs):
+      nnx.merge(graphdef, state)(batch)
+    return inputs
+
+  shapes = jax.eval_shape(site_inputs, state, batch)
+  return {site: math.prod(x.shape[:-1]) for site, x in shapes.items()}
+
+
 def flop_shares(cfg, names, batch) -> dict:
-  """Per policy, the share of Dense matmul FLOPs under each recipe (rows per site from a capture)."""
+  """Per policy, the share of Dense matmul FLOPs under each recipe (rows per site from site_rows)."""
   model = GEM(cfg.data.spec, cfg.model, rngs=nnx.Rngs(cfg.train.seed))
-  rows = {site: c.xs_MxK[0].shape[0] for site, c in probe.capture(model, [batch], cfg.data.spec).items()}
+  rows = site_rows(model, batch)
   out = {}
   for name in names:
     policy.apply(model, dataclasses.replace(cfg.model.precision, policy=name))
@@ -142,7 +159,7 @@ def main(argv=None) -> int:
   for name in names:
     run_cfg = with_policy(cfg, name)
     t = time.perf_counter()
-    summary = train(run_cfg, os.path.join(runs, name), progress=False)
+    summary = train(run_cfg, os.path.join(runs, name), progress=False, report=False)
     record = {"tasks": {task: {"eval_ne": m["eval_ne"], "eval_auc": m["eval_auc"]}
                         for task, m in summary["tasks"].items()},
               "train_s": time.perf_counter() - t, "examples_per_s": summary["examples_per_s"],

@@ -1,4 +1,10 @@
-"""The per-layer precision policy (site names, rule resolution, config plumbing) and the FP8 probe."""
+"""The per-layer precision policy (site names, rule resolution, config plumbing) and the FP8 probe.
+
+Compiling a tiny GEM's forward + backward takes ~10-30 s on CPU, so the expensive programs are shared:
+one model (shared_model), one float32 value-and-gradient at init (reference), one probe capture
+(captured), and a persistent compilation cache (compile_cache), from which the second probe.end_to_end
+call of a test loads the program the first call compiled instead of compiling it again.
+"""
 
 from __future__ import annotations
 
@@ -45,6 +51,38 @@ def shared_model(tiny):
 def using(model, **kw):
   policy.apply(model, PrecisionConfig(**kw))
   return model
+
+
+# The persistent compilation cache while this module runs (tests/conftest.py, compile_cache).
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
+
+def value_and_grad_fn(model, spec):
+  """(jitted (params, batch) -> (loss, grads), graphdef, params, rest) of the model with the recipes it
+  has now."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  f = lambda p, b: multitask_loss(nnx.merge(graphdef, p, rest)(b), b, spec)[0]
+  return jax.jit(jax.value_and_grad(f)), graphdef, params, rest
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, shared_model):
+  """The float32 (policy "none") loss and parameter gradients at init, and the graphdef / rest to merge
+  the gradients into a model: one compile for the two tests that compare against it."""
+  cfg, batch = tiny
+  grad_fn, graphdef, params, rest = value_and_grad_fn(using(shared_model, policy="none"), cfg.data.spec)
+  loss, grads = grad_fn(params, batch)
+  return loss, grads, graphdef, rest
+
+
+@pytest.fixture(scope="module")
+def captured(tiny, shared_model):
+  """probe.capture of the shared model on the tiny batch, taken while the model runs all-MXFP8: the
+  capture must switch every site to high precision and restore the recipes afterwards (returned too)."""
+  cfg, batch = tiny
+  model = using(shared_model, policy="mxfp8")
+  caps = probe.capture(model, [batch], cfg.data.spec)
+  return caps, {site: d.recipe for site, d in policy.dense_sites(model)}
 
 
 def test_resolution_order_and_size_threshold():
@@ -109,7 +147,7 @@ def test_dense_under_a_recipe_is_the_fp8_dot_plus_bias(shared_model):
                              rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_model_forward_and_gradients_track_float32(tiny, shared_model):
+def test_fp8_model_forward_and_gradients_track_float32(tiny, shared_model, reference):
   """The whole model under bf16 and all-MXFP8 at init: loss close to float32, gradients finite, and the
   whole-model gradient SNR ordered by precision. Per GEMM MXFP8 keeps ~27 dB (test_probe_snr_and_proposal);
   through the backward chain the errors compound to ~13 dB on the tiny model (bf16: ~37 dB)."""
@@ -117,17 +155,15 @@ def test_fp8_model_forward_and_gradients_track_float32(tiny, shared_model):
   spec = cfg.data.spec
 
   def loss_and_grad(name):
-    model = using(shared_model, policy=name)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    f = lambda p, b: multitask_loss(nnx.merge(graphdef, p, rest)(b), b, spec)[0]
-    return jax.jit(jax.value_and_grad(f))(params, batch)
+    grad_fn, _, params, _ = value_and_grad_fn(using(shared_model, policy=name), spec)
+    return grad_fn(params, batch)
 
   def snr(grads, ref):
     num = sum(float(jnp.sum(jnp.square(a - b))) for a, b in zip(jax.tree_util.tree_leaves(grads),
                                                                   jax.tree_util.tree_leaves(ref)))
     return 10 * np.log10(sum(float(jnp.sum(jnp.square(b))) for b in jax.tree_util.tree_leaves(ref)) / num)
 
-  loss32, g32 = loss_and_grad("none")
+  loss32, g32 = reference[:2]  # policy "none"
   loss16, g16 = loss_and_grad("bf16")
   loss8, g8 = loss_and_grad("mxfp8")
   assert abs(float(loss8) - float(loss32)) < 0.02 * abs(float(loss32))
@@ -135,14 +171,10 @@ def test_fp8_model_forward_and_gradients_track_float32(tiny, shared_model):
   assert snr(g16, g32) > 30.0 and 8.0 < snr(g8, g32) < snr(g16, g32) - 10.0
 
 
-def test_probe_capture_gives_each_sites_input_and_output_gradient(tiny, shared_model):
+def test_probe_capture_gives_each_sites_input_and_output_gradient(captured, reference):
   """x^T g of a captured site is the loss gradient of that site's kernel (chain rule)."""
-  cfg, batch = tiny
-  spec = cfg.data.spec
-  model = using(shared_model, policy="none")
-  caps = probe.capture(model, [batch], spec)
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  grads = jax.grad(lambda p: multitask_loss(nnx.merge(graphdef, p, rest)(batch), batch, spec)[0])(params)
+  caps, recipes_after = captured
+  _, grads, graphdef, rest = reference  # float32: what the capture runs in, whatever the model's policy
   grad_model = nnx.merge(graphdef, grads, rest)
   for site, module in (("heads.trunk", grad_model.heads.trunk), ("layers.0.hstu.uvqk", grad_model.layers[0].hstu.uvqk),
                        ("token_proj", grad_model.token_proj)):
@@ -151,15 +183,13 @@ def test_probe_capture_gives_each_sites_input_and_output_gradient(tiny, shared_m
     assert x.shape[1] == module.in_features and g.shape == (x.shape[0], module.out_features)
     np.testing.assert_allclose(x.T @ g, np.asarray(module.kernel[...]), rtol=2e-4,
                                atol=2e-6 * np.abs(x.T @ g).max())
-  # Recipes are restored after the capture.
-  assert {d.recipe for _, d in policy.dense_sites(model)} == {None}
+  # The model's recipes (all-MXFP8 while `captured` ran) are restored after the capture.
+  assert set(recipes_after.values()) == {"mxfp8"}
 
 
-def test_probe_snr_and_proposal(tiny, shared_model):
-  cfg, batch = tiny
-  model = using(shared_model, policy="none")
-  caps = probe.capture(model, [batch], cfg.data.spec)
-  caps = {s: caps[s] for s in ("layers.0.hstu.uvqk", "heads.trunk")}
+def test_probe_snr_and_proposal(shared_model, captured):
+  model = shared_model
+  caps = {s: captured[0][s] for s in ("layers.0.hstu.uvqk", "heads.trunk")}
   rows = probe.measure(caps, recipes=("mxfp8", "tensorwise"))
   for row in rows:
     snr = row["snr_db"]
