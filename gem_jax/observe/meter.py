@@ -10,8 +10,8 @@ Memory per device is XLA's analysis of the compiled step (argument, output, temp
 workspace, peak) plus the shard bytes of the placed parameters and optimizer state.
 Per step it keeps the analytic model FLOPs of the real rows, the FLOPs the tiled attention loops execute
 (XLA's cost analysis counts a loop body once, observe/flops.py), the rank imbalance of the batch over the
-data shards (the pipeline's balanced assignment and a random one), the host time spent producing the
-batch, and the wall time between consecutive metric fetches. The fetch of step N happens after step N + 1
+data shards (the pipeline's balanced assignment and a random one; on logged steps only), the host time
+spent producing the batch, and the wall time between consecutive metric fetches. The fetch of step N happens after step N + 1
 is dispatched, so that interval is the steady-state time of a step; steps around checkpoints, evals and
 the profiler window are kept in the per-step series but left out of the median.
 
@@ -79,8 +79,10 @@ class RunMeter:
   """Per-step records of one training run (module docstring)."""
 
   def __init__(self, cfg, *, num_devices: int, data_shards: int, mesh_spec=None, out_dir: str,
-               start_step: int, end_step: int, profile_enabled: bool = True):
+               start_step: int, end_step: int, profile_enabled: bool = True, imbalance_every: int = 1):
     self.cfg, self.num_devices, self.data_shards, self.mesh_spec = cfg, num_devices, data_shards, mesh_spec
+    # The balanced assignment is an LPT pass over the batch (~0.6 s at 65k rows): only on logged steps.
+    self.imbalance_every = imbalance_every
     self.steps: dict[int, _Step] = {}
     self.notes: list[str] = []
     self.peak, self.peak_source, self.host_peak, notes = peak_flops(mesh_spec, num_devices)
@@ -115,7 +117,7 @@ class RunMeter:
     model = report.TRAIN_FLOPS_FACTOR * flops.model_flops(self.cfg.model, self.cfg.data.spec, lengths[mask])
     tiled = flops.tiled_attention_train_flops(self.cfg.model, lengths) if self.tiled else 0.0
     imb = None
-    if lengths.size % self.imbalance_shards == 0:
+    if (step + 1) % self.imbalance_every == 0 and lengths.size % self.imbalance_shards == 0:
       imb = report.rank_imbalance(lengths, self.imbalance_shards, seed=step)
     host_s = time.perf_counter() - self._t_batch if self._t_batch is not None else 0.0
     self.steps[step] = _Step(model, tiled, int(mask.sum()), host_s, imb)
@@ -191,10 +193,11 @@ class RunMeter:
     notes = list(self.notes)
     executed = report.executed_flops(compiled) if compiled is not None else None
     source = "XLA cost analysis"
+    hlo_text = compiled.as_text() if compiled is not None else None
+    loops = report.dynamic_loops(hlo_text) if hlo_text is not None else 0
     if executed is not None:
       executed *= self.num_devices   # the compiled program is one device's
-      hlo_text = compiled.as_text()
-      if self.tiled and report.dynamic_loops(hlo_text):
+      if self.tiled and loops:
         executed += statistics.fmean(r.tiled_flops for r in measured)
         source = "XLA cost analysis + tiled attention loops (host count of the tiles walked)"
     elif compiled is not None:
@@ -204,8 +207,7 @@ class RunMeter:
       notes.append("executed FLOPs: attention inside Pallas/Triton custom calls is invisible to XLA's cost "
                    "analysis; HFU and padding_waste exclude it")
 
-    comm = hlo.summarize(hlo.collectives(compiled.as_text(), mesh)) if compiled is not None and mesh is not None \
-        else None
+    comm = hlo.summarize(hlo.collectives(hlo_text, mesh)) if compiled is not None and mesh is not None else None
     if compiled is not None and mesh is None:
       comm = {"by_kind": {}, "by_axis": {}, "total": 0.0}   # one device: no collectives
 
@@ -229,7 +231,7 @@ class RunMeter:
     out["notes"] = [n for n in out["notes"] if not n.startswith(("rank_imbalance", "executed FLOPs: no"))]
     if imbalance is None:
       notes.append(f"rank_imbalance: batch rows do not split over {self.imbalance_shards} shards")
-    if compiled is not None and self.tiled and report.dynamic_loops(compiled.as_text()) == 0:
+    if compiled is not None and self.tiled and loops == 0:
       notes.append("executed FLOPs: the tiled attention loops were not found in the program")
     if self._state_bytes is not None and out["memory_bytes_per_device"]:
       out["memory_bytes_per_device"].update(self._state_bytes)

@@ -171,7 +171,7 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
     num_devices = 1 if mesh_spec is None else mesh_spec.num_devices
     meter = meter_lib.RunMeter(cfg, num_devices=num_devices, mesh_spec=mesh_spec, out_dir=out_dir,
                                data_shards=1 if mesh_spec is None else mesh_spec.data_shards,
-                               start_step=start_step, end_step=end_step)
+                               start_step=start_step, end_step=end_step, imbalance_every=tc.log_every)
     # Before the first step donates the state.
     optimizer_flops = meter_lib.optimizer_flops_sharded(optimizer, state.params, state.opt_state, num_devices)
     meter.state_bytes(state)
