@@ -34,6 +34,7 @@ class HSTUConfig:
   num_contextual: int = 2     # C contextual tokens built from the non-sequence summary every layer
   rel_pos_buckets: int = 32   # log-spaced relative-position buckets of the attention bias
   attn_impl: str = "auto"     # gem_jax.ops.hstu_attention impl
+  dropout_rate: float = 0.0   # on the gated attention output before the output projection (training only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,8 @@ class ModelConfig:
     for name in ("compute_dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+    if not 0.0 <= self.hstu.dropout_rate < 1.0:
+      raise ValueError(f"hstu.dropout_rate must be in [0, 1), got {self.hstu.dropout_rate}")
     if self.hstu.num_contextual < 0 or self.num_recent < 0:
       raise ValueError("hstu.num_contextual and num_recent must be >= 0, got "
                        f"{self.hstu.num_contextual}, {self.num_recent}")

@@ -1,7 +1,10 @@
 """One HSTU layer over jagged token rows: the sequence arch of a GEM layer.
 
   x -> LayerNorm -> Linear to (u, v, q, k) -> SiLU -> HSTU attention (SiLU, no softmax, / max_seq_len)
-    -> LayerNorm(attn) * u -> Linear -> + x
+    -> LayerNorm(attn) * u -> dropout -> Linear -> + x
+
+Dropout (cfg.hstu.dropout_rate, HSTU's "linear dropout") applies only when the caller passes a
+`dropout_rng`; without one the layer is deterministic (evaluation, and every GEM step today).
 
 Tensor parallel over heads (gem_jax/model/layers.py): the (u, v, q, k) projection is column parallel
 with head-major columns, attention runs on this device's heads, the norm sums its statistics over the
@@ -43,6 +46,7 @@ class HSTULayer(nnx.Module):
     self.max_seq_len = max_seq_len
     self.num_contextual = h.num_contextual
     self.attn_impl = h.attn_impl
+    self.dropout_rate = h.dropout_rate
     d, hdv = cfg.model_dim, h.num_heads * h.value_dim
     self.norm_in = LayerNorm(d, cfg, rngs=rngs)
     self.uvqk = Dense(d, 2 * hdv + 2 * h.num_heads * h.head_dim, ("embed", "mlp"), cfg, rngs=rngs)
@@ -54,12 +58,12 @@ class HSTULayer(nnx.Module):
         sharded(nnx.initializers.zeros_init(), ("heads", None))(
             rngs.params(), (h.num_heads, h.rel_pos_buckets), cfg.params_dtype))
 
-  def __call__(self, x: Jagged, num_targets_B=None) -> Jagged:
+  def __call__(self, x: Jagged, num_targets_B=None, *, dropout_rng=None) -> Jagged:
     """x: Jagged(T x D) rows laid out as in the module docstring -> Jagged(T x D), same offsets.
     Padding slots of the output hold no meaning (callers read real tokens only)."""
     cp = layers.current_context()
     if cp is not None and cp.size > 1:
-      return self._context_parallel(x, num_targets_B, cp)
+      return self._context_parallel(x, num_targets_B, cp, dropout_rng)
     values_TxD = x.values
     cap = x.capacity
     u_TxHxDv, v_TxHxDv, q_TxHxDh, k_TxHxDh = self._project(values_TxD)
@@ -67,7 +71,7 @@ class HSTULayer(nnx.Module):
         q_TxHxDh, k_TxHxDh, v_TxHxDv, x.offsets, max_seq_len=self.max_seq_len, alpha=self.head_dim ** -0.5,
         causal=True, num_targets=num_targets_B, contextual_seq_len=self.num_contextual,
         rel_bias_HxR=self.rel_bias_HxR[...], impl=self.attn_impl)
-    return x.replace_values(values_TxD + self._output(attn_TxHxDv, u_TxHxDv))
+    return x.replace_values(values_TxD + self._output(attn_TxHxDv, u_TxHxDv, dropout_rng))
 
   def _project(self, values_TxD):
     """-> (u, v, q, k), T x H x (Dv | Dh), H the heads this device holds."""
@@ -83,12 +87,16 @@ class HSTULayer(nnx.Module):
     hh = uvqk_TxP.shape[-1] // (2 * dv + 2 * dh)
     return tuple(jnp.split(uvqk_TxP.reshape(cap, hh, 2 * dv + 2 * dh), [dv, 2 * dv, 2 * dv + dh], axis=-1))
 
-  def _output(self, attn_TxHxDv, u_TxHxDv):
+  def _output(self, attn_TxHxDv, u_TxHxDv, dropout_rng=None):
     cap, hh, dv = attn_TxHxDv.shape
     gated_TxHDv = self.norm_attn(attn_TxHxDv.reshape(cap, hh * dv)) * u_TxHxDv.reshape(cap, hh * dv)
+    if dropout_rng is not None and self.dropout_rate > 0.0:
+      keep = 1.0 - self.dropout_rate
+      mask_TxHDv = jax.random.bernoulli(dropout_rng, keep, gated_TxHDv.shape)
+      gated_TxHDv = jnp.where(mask_TxHDv, gated_TxHDv / keep, 0.0).astype(gated_TxHDv.dtype)
     return self.out(gated_TxHDv)
 
-  def _context_parallel(self, x: Jagged, num_targets_B, cp) -> Jagged:
+  def _context_parallel(self, x: Jagged, num_targets_B, cp, dropout_rng=None) -> Jagged:
     """This device projects and attends for one contiguous slice of the token slots (rows may straddle
     slices); keys and values of all slices are gathered so every query sees its whole row, and the
     outputs of all slices are gathered back into the full layout."""
@@ -102,5 +110,7 @@ class HSTULayer(nnx.Module):
         q_SxHxDh, cp.all_gather(k_SxHxDh), cp.all_gather(v_SxHxDv), x.offsets, start,
         max_seq_len=self.max_seq_len, alpha=self.head_dim ** -0.5, causal=True, num_targets=num_targets_B,
         contextual_seq_len=self.num_contextual, rel_bias_HxR=self.rel_bias_HxR[...])
-    out_TxD = cp.all_gather(self._output(attn_SxHxDv, u_SxHxDv))[:cap]
+    if dropout_rng is not None:  # each slice draws its own mask
+      dropout_rng = jax.random.fold_in(dropout_rng, cp.index())
+    out_TxD = cp.all_gather(self._output(attn_SxHxDv, u_SxHxDv, dropout_rng))[:cap]
     return x.replace_values(values_TxD + out_TxD)

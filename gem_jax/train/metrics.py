@@ -1,4 +1,5 @@
-"""Evaluation metrics for binary ads tasks: normalized entropy, ROC AUC, calibration.
+"""Evaluation metrics: normalized entropy, ROC AUC and calibration for binary ads tasks; full-ranking
+HR@K and NDCG@K for next-item recommendation (at the end of the file).
 
 Host-side numpy, float64 inside. These are the numbers a run is judged by, so each function is the plain
 definition written to be exact and O(n log n); the tests compare them with brute-force loops.
@@ -227,3 +228,48 @@ class TaskMetrics:
         "base_rate": float(y.mean()) if y.size else float("nan"),
         "count": int(y.size),
     }
+
+
+# ---- full-ranking retrieval metrics (next-item recommendation) -------------------------------------------
+# One held-out target per user; every item is a candidate except those the protocol excludes (the user's
+# history). rank = 1 + the number of allowed candidates scoring above the target + the number of allowed
+# candidates tied with it: ties count against the target, so a model that scores everything alike gets
+# HR@K ~ 0, not 1, and no result depends on a sort's tie order. The target itself is always ranked, even
+# when it also appears in the excluded history (a repeated item).
+#   HR@K   = mean over users of [rank <= K]                       (Recall@K with one target)
+#   NDCG@K = mean over users of [rank <= K] / log2(rank + 1)      (the ideal DCG of one target is 1)
+
+
+def full_ranking_ranks(scores_BxI, targets_B, exclude_BxI):
+  """Rank (1 = best) of each row's target among the candidate columns of scores; jit-safe jnp.
+
+  scores_BxI: float scores of every item (column i = item i; a padding column can be excluded);
+  targets_B: int column of each row's target; exclude_BxI: bool, True for items that are not candidates.
+  A row whose target score is NaN gets rank I + 1 (a miss at every K).
+  """
+  import jax.numpy as jnp  # metrics above are host numpy; only this function runs on device
+
+  scores_BxI = jnp.asarray(scores_BxI, jnp.float32)
+  targets_B = jnp.asarray(targets_B, jnp.int32)
+  cols_I = jnp.arange(scores_BxI.shape[1], dtype=jnp.int32)
+  is_target_BxI = cols_I[None, :] == targets_B[:, None]
+  target_B1 = jnp.take_along_axis(scores_BxI, targets_B[:, None], axis=1)
+  rivals_BxI = ~exclude_BxI & ~is_target_BxI & (scores_BxI >= target_B1)
+  rank_B = 1 + jnp.sum(rivals_BxI, axis=1, dtype=jnp.int32)
+  return jnp.where(jnp.isnan(target_B1[:, 0]), scores_BxI.shape[1] + 1, rank_B)
+
+
+def hit_rate_ndcg(ranks, ks: Sequence[int]) -> dict[str, float]:
+  """{"HR@K": ..., "NDCG@K": ...} for each K, averaged over all ranks (float64 on the host)."""
+  r = np.asarray(ranks, dtype=np.int64).reshape(-1)
+  if r.size == 0:
+    raise ValueError("hit_rate_ndcg: no ranks")
+  _check(r, r < 1, np.arange(r.size), "ranks must be >= 1; got {value} at index {index}")
+  out = {}
+  for k in ks:
+    if k < 1:
+      raise ValueError(f"hit_rate_ndcg: K must be >= 1, got {k}")
+    hit = r <= k
+    out[f"HR@{k}"] = float(hit.mean())
+    out[f"NDCG@{k}"] = float(np.where(hit, 1.0 / np.log2(r + 1.0), 0.0).mean())
+  return out

@@ -1,0 +1,101 @@
+"""Next-item model over jagged item histories: gem-jax's HSTU sequence tower with a shared item table.
+
+  tokens  = sqrt(D) * item_emb[item] + pos_emb[position]     (position inside the row, 0 = oldest kept item)
+  -> dropout -> L x HSTULayer (jagged, causal, relative-position bias, linear dropout)
+  -> L2 normalize                                           = the user embedding after each token
+
+An item's output embedding is its input row of the same table, L2 normalized; a score is the dot product of
+the two unit vectors (divided by a temperature in the loss). This is the setup of HSTU's public
+experiments (Zhai et al., ICML 2024, Sec. 4.1.1): item_embedding_dim 50, 2 blocks, 1 head, dqk = dv = 50,
+dropout 0.2, l2-normalized user and item embeddings, on MovieLens-1M with max length 200.
+
+Letters: T token capacity, B rows, D model width, I items (+1: column/row 0 is padding), K negatives.
+The model never builds a B x N padded layout itself; attention goes through gem_jax.ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gem_jax.jagged import Jagged
+from gem_jax.model.config import HSTUConfig, ModelConfig
+from gem_jax.model.hstu import HSTULayer
+
+L2_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqRecModelConfig:
+  dim: int = 50               # D: item embedding and model width
+  num_layers: int = 2
+  num_heads: int = 1
+  head_dim: int = 50          # q/k width per head
+  value_dim: int = 50         # u/v width per head
+  max_len: int = 200          # most recent items kept per row
+  dropout_rate: float = 0.2   # input embeddings and each layer's linear dropout
+  attn_impl: str = "auto"     # gem_jax.ops.hstu_attention impl
+
+  def __post_init__(self):
+    if min(self.dim, self.num_layers, self.num_heads, self.head_dim, self.value_dim, self.max_len) < 1:
+      raise ValueError(f"SeqRecModelConfig: sizes must be positive: {self}")
+    if not 0.0 <= self.dropout_rate < 1.0:
+      raise ValueError(f"SeqRecModelConfig: dropout_rate must be in [0, 1), got {self.dropout_rate}")
+
+  def hstu_model_config(self) -> ModelConfig:
+    """The ModelConfig an HSTULayer reads (its GEM-only fields stay at their defaults). One relative-position
+    bucket per distance: 2 * max_len buckets make the first max_len of them exact distances."""
+    hstu = HSTUConfig(num_heads=self.num_heads, head_dim=self.head_dim, value_dim=self.value_dim,
+                      keep_last=(self.max_len,) * self.num_layers, num_contextual=0,
+                      rel_pos_buckets=2 * self.max_len, attn_impl=self.attn_impl, dropout_rate=self.dropout_rate)
+    return ModelConfig(model_dim=self.dim, num_layers=self.num_layers, hstu=hstu)
+
+
+def l2_normalize(x_NxD):
+  x_NxD = x_NxD.astype(jnp.float32)
+  return x_NxD * jax.lax.rsqrt(jnp.maximum(jnp.sum(x_NxD * x_NxD, axis=-1, keepdims=True), L2_EPS * L2_EPS))
+
+
+def _dropout(x, rate: float, rng):
+  if rng is None or rate == 0.0:
+    return x
+  keep = 1.0 - rate
+  return jnp.where(jax.random.bernoulli(rng, keep, x.shape), x / keep, 0.0).astype(x.dtype)
+
+
+class SeqRecModel(nnx.Module):
+
+  def __init__(self, cfg: SeqRecModelConfig, num_items: int, *, rngs: nnx.Rngs):
+    if num_items < 1:
+      raise ValueError(f"SeqRecModel: num_items must be >= 1, got {num_items}")
+    self.cfg = cfg
+    self.num_items = num_items
+    # HSTU's initialization: items at std 0.02 (times sqrt(D) at the input), positions at std sqrt(1 / D).
+    item_init = nnx.initializers.truncated_normal(stddev=0.02)
+    pos_init = nnx.initializers.truncated_normal(stddev=cfg.dim ** -0.5)
+    self.item_emb_IxD = nnx.Param(item_init(rngs.params(), (num_items + 1, cfg.dim), jnp.float32))
+    self.pos_emb_NxD = nnx.Param(pos_init(rngs.params(), (cfg.max_len, cfg.dim), jnp.float32))
+    mcfg = cfg.hstu_model_config()
+    self.layers = nnx.List([HSTULayer(mcfg, cfg.max_len, rngs=rngs) for _ in range(cfg.num_layers)])
+
+  def encode(self, items: Jagged, dropout_rng=None):
+    """items: Jagged (T,) int32 item ids, rows of at most max_len (the batch builder checks it on the host:
+    a longer row would read a clamped position) -> unit user embeddings T x D (f32). Dropout is on only
+    when `dropout_rng` is given."""
+    rngs = [None] * (len(self.layers) + 1)
+    if dropout_rng is not None:
+      rngs = list(jax.random.split(dropout_rng, len(self.layers) + 1))
+    ids_T = items.values
+    pos_T = items.positions()  # padding slots read position 0; their outputs are never used
+    x_TxD = self.cfg.dim ** 0.5 * self.item_emb_IxD[...][ids_T] + self.pos_emb_NxD[...][pos_T]
+    x = Jagged(_dropout(x_TxD, self.cfg.dropout_rate, rngs[0]), items.offsets)
+    for layer, rng in zip(self.layers, rngs[1:]):
+      x = layer(x, dropout_rng=rng)
+    return l2_normalize(x.values)
+
+  def item_table(self):
+    """Unit output embeddings of every item, (I + 1) x D; row 0 (padding) is not a candidate."""
+    return l2_normalize(self.item_emb_IxD[...])

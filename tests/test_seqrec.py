@@ -1,0 +1,293 @@
+"""Sequential recommendation on public data: parsers (and their errors), the leave-one-out split, batches,
+full-ranking metrics against brute force, the sampled-softmax loss, and a quick real-data run.
+
+Tests that read ../shared/data (or $GEM_JAX_DATA_DIR) skip with a message naming the missing file."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gem_jax.data import seqrec as data
+from gem_jax.jagged import Jagged
+from gem_jax.model.seqrec import SeqRecModel, SeqRecModelConfig
+from gem_jax.train import metrics
+from gem_jax.train import seqrec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA_DIR = os.environ.get("GEM_JAX_DATA_DIR", os.path.normpath(os.path.join(ROOT, "..", "shared", "data")))
+
+
+def needs_data(name: str):
+  """Skips (with the paths it looked for) unless dataset `name` is under DATA_DIR."""
+  if data.dataset_path(name, DATA_DIR) is None:
+    looked = " or ".join(os.path.join(DATA_DIR, rel) for rel, _ in data.DATASETS[name].paths)
+    pytest.skip(f"{name} data absent: looked for {looked} (set GEM_JAX_DATA_DIR to the shared data root)")
+
+
+def write(tmp_path, name, text):
+  path = tmp_path / name
+  path.write_text(text)
+  return str(path)
+
+
+# ---- parsers -------------------------------------------------------------------------------------------
+def test_ratings_sorted_by_time_ties_in_file_order_ids_remapped(tmp_path):
+  path = write(tmp_path, "ratings.dat", "\n".join([
+      "7::30::5::300", "7::10::3::100", "7::20::4::100",   # tie at t=100: file order 10, 20
+      "2::20::1::5", "2::40::2::1", "2::30::5::9", ""]))
+  ds = data.load_ratings(path)
+  assert ds.user_ids.tolist() == [2, 7]
+  assert ds.item_ids.tolist() == [10, 20, 30, 40]   # item i = rank of the original id
+  assert [ds.item_ids[s - 1].tolist() for s in ds.sequences] == [[40, 20, 30], [10, 20, 30]]
+  assert ds.num_items == 4 and ds.num_interactions == 6
+
+
+def test_u_data_and_sequences_formats(tmp_path):
+  ds = data.load_u_data(write(tmp_path, "u.data", "1\t5\t3\t20\n1\t6\t3\t10\n1\t7\t1\t30\n"))
+  assert ds.item_ids[ds.sequences[0] - 1].tolist() == [6, 5, 7]
+  ds = data.load_sequences(write(tmp_path, "seq.txt", "3 9 4 9 8\n1 4 5 6\n"))
+  assert ds.user_ids.tolist() == [3, 1]
+  assert ds.item_ids.tolist() == [4, 5, 6, 8, 9]
+  assert ds.sequences[0].tolist() == [5, 1, 5, 4]   # a repeated item stays repeated
+
+
+@pytest.mark.parametrize("loader,text,message", [
+    (data.load_ratings, "1::2::3::4\n1::2::3\n", r"ratings.dat:2: expected 4 fields UserID::MovieID"),
+    (data.load_ratings, "1::2::3::4\n1::x::3::4\n", r"ratings.dat:2: item id 'x' is not an integer"),
+    (data.load_ratings, "1::0::3::4\n", r"ratings.dat:1: item id 0 must be a positive integer"),
+    (data.load_ratings, "-1::2::3::4\n", r"ratings.dat:1: user id -1 must be a positive"),
+    (data.load_ratings, "1::2::3::4.5\n", r"ratings.dat:1: timestamp '4.5' is not an integer"),
+    (data.load_ratings, "1::2::3::4\n1::3::3::5\n", r"ratings.dat:1: user 1 has 2 interactions"),
+    (data.load_ratings, "\n\n", r"ratings.dat: no interactions"),
+    (data.load_u_data, "1 2 3 4\n", r"ratings.dat:1: expected 4 fields user<TAB>item"),
+    (data.load_sequences, "1 2 3 4\n1 5 6 7\n", r"ratings.dat:2: user 1 already has a line \(line 1\)"),
+    (data.load_sequences, "1 2 3 4\n2\n", r"ratings.dat:2: user 2 has no items"),
+    (data.load_sequences, "1 2 3 4\n2 3 99999999999999999999x 4\n", r"ratings.dat:2: item id '99999999999999999999x'"),
+    (data.load_sequences, "1 2 3\n", r"ratings.dat:1: user 1 has 2 interactions"),
+    (data.load_sequences, "", r"ratings.dat: no user lines"),
+])
+def test_malformed_files_name_the_line_and_reason(tmp_path, loader, text, message):
+  with pytest.raises(data.SeqRecDataError, match=message):
+    loader(write(tmp_path, "ratings.dat", text))
+
+
+def test_missing_dataset_names_the_paths(tmp_path):
+  with pytest.raises(FileNotFoundError, match=r"ml-1m/ratings.dat or .*ml-1m_sequences_orig_ids.txt"):
+    data.load("ml-1m", str(tmp_path))
+  with pytest.raises(ValueError, match="unknown dataset 'netflix'"):
+    data.load("netflix", str(tmp_path))
+
+
+# ---- split and batches ---------------------------------------------------------------------------------
+def _toy() -> data.SeqDataset:
+  seqs = [np.array([1, 2, 3, 4, 5], np.int32), np.array([3, 1, 2], np.int32), np.arange(1, 9, dtype=np.int32)]
+  return data.SeqDataset("toy", seqs, np.array([10, 11, 12]), np.arange(1, 9))
+
+
+def test_leave_one_out():
+  split = data.leave_one_out(_toy())
+  assert split.train[0].tolist() == [1, 2, 3] and split.train[1].tolist() == [3]
+  assert split.valid.targets.tolist() == [4, 1, 7] and split.test.targets.tolist() == [5, 2, 8]
+  assert split.valid.prefixes[1].tolist() == [3] and split.test.prefixes[1].tolist() == [3, 1]
+
+
+def test_train_batches_pairs_next_items_and_truncate():
+  split = data.leave_one_out(_toy())
+  batches = list(data.train_batches(split.train, batch_size=2, max_len=4, multiple=8,
+                                    rng=np.random.default_rng(0)))
+  rows = {}
+  for b in batches:
+    off = b.items.offsets
+    assert b.items.capacity % 8 == 0 and off.shape == (3,) and np.all(np.diff(off) <= 4)
+    for r, u in enumerate(b.row_user_B):
+      if u >= 0:
+        rows[int(u)] = (b.items.values[off[r]:off[r + 1]].tolist(), b.targets_T[off[r]:off[r + 1]].tolist())
+    assert np.all(b.targets_T[off[-1]:] == 0)
+  # user 1 has one training item: no pair; user 2's 6 training items keep the last 5 (4 inputs)
+  assert rows == {0: ([1, 2], [2, 3]), 2: ([2, 3, 4, 5], [3, 4, 5, 6])}
+
+
+def test_eval_batches_cover_every_user_once():
+  split = data.leave_one_out(_toy())
+  seen = []
+  for b in data.eval_batches(split.test, batch_size=2, max_len=3, multiple=4):
+    off = b.items.offsets
+    for r, u in enumerate(b.row_user_B):
+      if u >= 0:
+        seen.append(int(u))
+        assert b.items.values[off[r]:off[r + 1]].tolist() == split.test.prefixes[u][-3:].tolist()
+  assert seen == [0, 1, 2]
+
+
+# ---- metrics -------------------------------------------------------------------------------------------
+def _brute_rank(scores, target, excluded):
+  """1-based position of the target after sorting candidates by score, ties put before the target."""
+  better = [i for i in range(len(scores)) if i != target and i not in excluded and scores[i] >= scores[target]]
+  return 1 + len(better)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_full_ranking_ranks_match_brute_force_with_ties_and_history(seed):
+  rng = np.random.default_rng(seed)
+  B, I = 12, 15
+  scores = rng.integers(0, 4, (B, I)).astype(np.float32)   # few values: many ties
+  targets = rng.integers(0, I, B)
+  exclude = rng.random((B, I)) < 0.3
+  exclude[:, 0] = True
+  exclude[0, targets[0]] = True          # the target repeated in the history is still ranked
+  ranks = np.asarray(jax.jit(metrics.full_ranking_ranks)(scores, targets, exclude))
+  brute = [_brute_rank(scores[b], targets[b], set(np.flatnonzero(exclude[b]))) for b in range(B)]
+  assert ranks.tolist() == brute
+  got = metrics.hit_rate_ndcg(ranks, (1, 3, 10))
+  for k in (1, 3, 10):
+    assert got[f"HR@{k}"] == pytest.approx(np.mean([r <= k for r in brute]))
+    assert got[f"NDCG@{k}"] == pytest.approx(np.mean([1 / math.log2(r + 1) if r <= k else 0 for r in brute]))
+
+
+def test_constant_scores_rank_last_and_nan_target_misses():
+  scores = np.zeros((2, 6), np.float32)
+  scores[1, 2] = np.nan
+  exclude = np.zeros((2, 6), bool)
+  ranks = np.asarray(metrics.full_ranking_ranks(scores, np.array([3, 2]), exclude))
+  assert ranks.tolist() == [6, 7]
+  assert metrics.hit_rate_ndcg(ranks, (5,)) == {"HR@5": 0.0, "NDCG@5": 0.0}
+  with pytest.raises(ValueError, match="ranks must be >= 1; got 0 at index 1"):
+    metrics.hit_rate_ndcg([3, 0], (10,))
+
+
+# ---- loss and model ------------------------------------------------------------------------------------
+def test_sampled_softmax_loss_matches_numpy_with_accidental_hits_and_logq():
+  rng = np.random.default_rng(0)
+  T, D, I = 7, 4, 9
+  user = rng.normal(size=(T, D)).astype(np.float32)
+  table = rng.normal(size=(I + 1, D)).astype(np.float32)
+  targets = np.array([1, 2, 3, 3, 5, 0, 0], np.int32)
+  negatives, logq_neg, logq_pos = seqrec.sample_negatives(rng, targets, I, uniform=5, in_batch=4)
+  assert negatives.shape == (9,) and np.all(np.isin(negatives[5:], targets[targets > 0]))
+  # expected count: 5 / I uniform + 4 * (share of the item among the 5 targets)
+  assert logq_pos[2] == pytest.approx(np.log(5 / I + 4 * 2 / 5)) and logq_pos[5] == 0
+  got = float(seqrec.sampled_softmax_loss(user, table, targets, negatives, logq_neg, logq_pos, 0.5))
+  want = []
+  for t in range(5):
+    logits = [user[t] @ table[targets[t]] / 0.5 - logq_pos[t]]
+    logits += [user[t] @ table[n] / 0.5 - lq for n, lq in zip(negatives, logq_neg) if n != targets[t]]
+    want.append(np.log(np.sum(np.exp(logits))) - logits[0])
+  assert got == pytest.approx(np.mean(want), rel=1e-5)
+
+
+def test_full_softmax_loss_matches_numpy():
+  rng = np.random.default_rng(1)
+  user = rng.normal(size=(4, 3)).astype(np.float32)
+  table = rng.normal(size=(6, 3)).astype(np.float32)
+  targets = np.array([1, 5, 0, 2], np.int32)
+  got = float(seqrec.full_softmax_loss(user, table, targets, None, None, None, 0.7))
+  want = []
+  for t in (0, 1, 3):
+    logits = user[t] @ table[1:].T / 0.7    # item 0 is padding, never a class
+    want.append(np.log(np.sum(np.exp(logits))) - logits[targets[t] - 1])
+  assert got == pytest.approx(np.mean(want), rel=1e-5)
+  with pytest.raises(ValueError, match="unknown loss 'bpr'"):
+    seqrec.SeqRecConfig(dataset="ml-1m", loss="bpr")
+
+
+def _model(dropout=0.3):
+  cfg = SeqRecModelConfig(dim=8, num_layers=2, head_dim=4, value_dim=4, num_heads=2, max_len=6,
+                          dropout_rate=dropout, attn_impl="xla")
+  return SeqRecModel(cfg, num_items=11, rngs=nnx.Rngs(0))
+
+
+def test_encode_rows_are_isolated_and_dropout_only_with_a_key():
+  model = _model()
+  a, b = np.array([3, 4, 5], np.int32), np.array([7, 1, 2, 9, 10], np.int32)
+  both = Jagged(np.concatenate([a, b, np.zeros(4, np.int32)]), np.array([0, 3, 8], np.int32))
+  only_b = Jagged(np.concatenate([b, np.zeros(3, np.int32)]), np.array([0, 5], np.int32))
+  out_both = np.asarray(model.encode(both))
+  np.testing.assert_allclose(out_both[3:8], np.asarray(model.encode(only_b))[:5], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.linalg.norm(out_both[:8], axis=-1), 1.0, rtol=1e-5)
+  # causal: appending items does not change earlier outputs
+  np.testing.assert_allclose(out_both[:2], np.asarray(model.encode(
+      Jagged(np.array([3, 4, 0, 0], np.int32), np.array([0, 2], np.int32))))[:2], rtol=1e-5, atol=1e-6)
+  key = jax.random.key(1)
+  dropped = np.asarray(model.encode(both, dropout_rng=key))
+  assert not np.allclose(dropped[:8], out_both[:8])
+  np.testing.assert_array_equal(dropped, np.asarray(model.encode(both, dropout_rng=key)))
+
+
+def test_train_step_lowers_loss_on_a_fixed_batch():
+  model = _model(dropout=0.0)
+  graphdef, params = nnx.split(model, nnx.Param)
+  import optax
+  tx = optax.adam(1e-2)
+  opt_state = tx.init(params)
+  train_step, rank_step = seqrec.make_steps(graphdef, tx, temperature=0.1)
+  items = np.array([1, 2, 3, 4, 5, 6, 7, 0], np.int32)
+  targets = np.array([2, 3, 4, 5, 6, 7, 8, 0], np.int32)
+  offsets = np.array([0, 4, 7], np.int32)
+  neg, lq, lp = seqrec.sample_negatives(np.random.default_rng(0), targets, 11, uniform=6, in_batch=2)
+  losses = []
+  for step in range(30):
+    params, opt_state, loss = train_step(params, opt_state, np.int32(step), jax.random.key(0), items, offsets,
+                                         targets, neg, lq, lp)
+    losses.append(float(loss))
+  assert losses[-1] < 0.5 * losses[0]
+  exclude = np.zeros((2, 12), bool)
+  exclude[:, 0] = True
+  ranks = np.asarray(rank_step(params, items, offsets, np.array([5, 8], np.int32), exclude))
+  assert ranks.shape == (2,) and np.all(ranks >= 1)
+
+
+def test_batch_longer_than_max_len_is_refused():
+  split = data.leave_one_out(_toy())
+  batch = next(data.eval_batches(split.test, batch_size=3, max_len=7, multiple=8))
+  with pytest.raises(ValueError, match="row of 7 items; the model's max_len is 6"):
+    seqrec._check_rows(batch, 6)
+
+
+def test_presets_build_and_bad_config_fails():
+  for name in data.DATASETS:
+    cfg = seqrec.preset(name)
+    assert cfg.dataset == name
+  assert seqrec.preset("beauty").ks == (5, 10, 20, 50, 200) and seqrec.preset("ml-1m").model.max_len == 200
+  with pytest.raises(ValueError, match="ml-100k only"):
+    seqrec.preset("ml-1m", quick=True)
+  with pytest.raises(ValueError, match="select_metric 'NDCG@5'"):
+    seqrec.SeqRecConfig(dataset="ml-1m", select_metric="NDCG@5")
+  with pytest.raises(ValueError, match="at least one negative"):
+    seqrec.SeqRecConfig(dataset="ml-1m", uniform_negatives=0, batch_negatives=0)
+
+
+# ---- real data -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,users,items,interactions", [
+    ("ml-1m", 6040, 3706, 1000209), ("ml-100k", 943, 1682, 100000), ("beauty", 22363, 12101, 198502),
+    ("sports", 35598, 18357, 296337), ("toys", 19412, 11924, 167597)])
+def test_real_datasets_load_with_published_sizes(name, users, items, interactions):
+  needs_data(name)
+  ds = data.load(name, DATA_DIR)
+  assert (ds.num_users, ds.num_items, ds.num_interactions) == (users, items, interactions)
+
+
+@pytest.mark.slow
+def test_quick_ml100k_run_beats_most_popular(tmp_path):
+  """The CI-sized end-to-end run (experiments/seqrec.py --quick, ~30 s on 2 cores): results.json has every
+  metric on validation and test, and the model beats ranking by popularity on the test targets."""
+  needs_data("ml-100k")
+  out = tmp_path / "quick"
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "seqrec.py"), "--dataset", "ml-100k",
+                         "--quick", "--data-dir", DATA_DIR, "--out", str(out)],
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  res = json.loads((out / "results.json").read_text())
+  for part in ("valid", "test"):
+    assert set(res[part]) == {f"{m}@{k}" for m in ("HR", "NDCG") for k in (10, 50, 200)}
+  assert res["stats"] == {"users": 943, "items": 1682, "interactions": 100000}
+  base = res["baseline_most_popular"]["test"]
+  assert res["test"]["HR@10"] > base["HR@10"] and res["test"]["NDCG@10"] > base["NDCG@10"], (res["test"], base)
+  assert res["wall_s"]["total"] < 180
