@@ -303,7 +303,7 @@ def preset(dataset: str, quick: bool = False) -> SeqRecConfig:
     return SeqRecConfig(dataset=dataset, model=SeqRecModelConfig(max_len=50, dropout_rate=0.5),
                         epochs=200, eval_every=5, patience=4, ks=(5, 10, 20, 50, 200), token_multiple=512)
   if dataset == "ml-1m":
-    # 3,706 items: every item as a negative costs ~1.5x the 1,024 shared sampled ones on CPU and reached a
-    # better validation NDCG@10 at every epoch measured (README, public benchmarks).
+    # 3,706 items: every item as a negative costs ~2x the step time of 1,024 shared sampled ones on CPU and
+    # reached a better validation NDCG@10 at every epoch measured (README, public benchmarks).
     return SeqRecConfig(dataset=dataset, loss="full_softmax", epochs=100, eval_every=5, patience=4)
   return SeqRecConfig(dataset=dataset, epochs=100, eval_every=5, patience=4)
