@@ -90,11 +90,7 @@ class HSTULayer(nnx.Module):
   def _output(self, attn_TxHxDv, u_TxHxDv, dropout_rng=None):
     cap, hh, dv = attn_TxHxDv.shape
     gated_TxHDv = self.norm_attn(attn_TxHxDv.reshape(cap, hh * dv)) * u_TxHxDv.reshape(cap, hh * dv)
-    if dropout_rng is not None and self.dropout_rate > 0.0:
-      keep = 1.0 - self.dropout_rate
-      mask_TxHDv = jax.random.bernoulli(dropout_rng, keep, gated_TxHDv.shape)
-      gated_TxHDv = jnp.where(mask_TxHDv, gated_TxHDv / keep, 0.0).astype(gated_TxHDv.dtype)
-    return self.out(gated_TxHDv)
+    return self.out(layers.dropout(gated_TxHDv, self.dropout_rate, dropout_rng))
 
   def _context_parallel(self, x: Jagged, num_targets_B, cp, dropout_rng=None) -> Jagged:
     """This device projects and attends for one contiguous slice of the token slots (rows may straddle

@@ -80,6 +80,14 @@ def current_context() -> ContextParallel | None:
   return _CONTEXT.get()
 
 
+def dropout(x, rate: float, rng):
+  """Inverted dropout with an explicit key; the identity when rng is None or rate is 0 (evaluation)."""
+  if rng is None or rate == 0.0:
+    return x
+  keep = 1.0 - rate
+  return jnp.where(jax.random.bernoulli(rng, keep, x.shape), x / keep, 0.0).astype(x.dtype)
+
+
 def sharded(init, names: Sequence[str | None]):
   """`init` whose variable carries the logical axis `names` (no mesh needed to build the model)."""
   return nnx.with_partitioning(init, tuple(names), eager_sharding=False)

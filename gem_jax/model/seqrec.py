@@ -24,6 +24,7 @@ from flax import nnx
 from gem_jax.jagged import Jagged
 from gem_jax.model.config import HSTUConfig, ModelConfig
 from gem_jax.model.hstu import HSTULayer
+from gem_jax.model.layers import dropout
 
 L2_EPS = 1e-6
 
@@ -91,7 +92,7 @@ class SeqRecModel(nnx.Module):
     ids_T = items.values
     pos_T = items.positions()  # padding slots read position 0; their outputs are never used
     x_TxD = self.cfg.dim ** 0.5 * self.item_emb_IxD[...][ids_T] + self.pos_emb_NxD[...][pos_T]
-    x = Jagged(_dropout(x_TxD, self.cfg.dropout_rate, rngs[0]), items.offsets)
+    x = Jagged(dropout(x_TxD, self.cfg.dropout_rate, rngs[0]), items.offsets)
     for layer, rng in zip(self.layers, rngs[1:]):
       x = layer(x, dropout_rng=rng)
     return l2_normalize(x.values)
