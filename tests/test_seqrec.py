@@ -72,10 +72,34 @@ def test_u_data_and_sequences_formats(tmp_path):
     (data.load_sequences, "1 2 3 4\n2 3 99999999999999999999x 4\n", r"ratings.dat:2: item id '99999999999999999999x'"),
     (data.load_sequences, "1 2 3\n", r"ratings.dat:1: user 1 has 2 interactions"),
     (data.load_sequences, "", r"ratings.dat: no user lines"),
+    # Found by tests/test_fuzz.py: ids past int64 raised OverflowError from numpy; int() took " 2", "+2",
+    # "1_0"; str.split() split on \x0b and \xa0; a lone \r was read as a line break.
+    (data.load_sequences, "1 2 3 4\n2 3 100000000000000000000000000000 4\n",
+     r"ratings.dat:2: item id 100000000000000000000000000000 does not fit in int64"),
+    (data.load_ratings, "9223372036854775808::2::3::4\n", r"ratings.dat:1: user id 9223372036854775808 does not fit"),
+    (data.load_u_data, "1\t2\t3\t-9223372036854775809\n", r"ratings.dat:1: timestamp -9223372036854775809 does not"),
+    (data.load_ratings, "1::+2::3::4\n", r"ratings.dat:1: item id '\+2' is not an integer"),
+    (data.load_ratings, "1::1_0::3::4\n", r"ratings.dat:1: item id '1_0' is not an integer"),
+    (data.load_ratings, "1:: 2::3::4\n", r"ratings.dat:1: item id ' 2' is not an integer"),
+    (data.load_sequences, "1\x0b2 3 4\n", r"ratings.dat:1: user id '1\\x0b2' is not an integer"),
+    (data.load_ratings, "1::2::3::4\r1::3::3::5\n1::4::3::6\n", r"ratings.dat:1: expected 4 fields"),
 ])
 def test_malformed_files_name_the_line_and_reason(tmp_path, loader, text, message):
   with pytest.raises(data.SeqRecDataError, match=message):
     loader(write(tmp_path, "ratings.dat", text))
+
+
+def test_files_accept_crlf_blanks_leading_zeros_and_int64(tmp_path):
+  """The reading policy of the module docstring: blanks and CRs around a line, blank lines (still counted in
+  error line numbers), no final newline, leading zeros, ids up to the int64 max, any int64 timestamp."""
+  big = 2**63 - 1
+  text = f"\r\n 1::{big}::5::-9223372036854775808\t\r\n\n1::007::1::0\r\n1::7::1::{big}"
+  ds = data.load_ratings(write(tmp_path, "ratings.dat", text))
+  assert ds.user_ids.tolist() == [1] and ds.item_ids[ds.sequences[0] - 1].tolist() == [big, 7, 7]
+  with pytest.raises(data.SeqRecDataError, match=r"ratings.dat:4: item id 'x' is not an integer"):
+    data.load_ratings(write(tmp_path, "ratings.dat", "\n1::2::3::4\r\n \n1::x::3::4\n"))
+  ds = data.load_sequences(write(tmp_path, "seq.txt", "5\t1  2 \t3\r\n"))
+  assert ds.item_ids[ds.sequences[0] - 1].tolist() == [1, 2, 3]
 
 
 def test_missing_dataset_names_the_paths(tmp_path):

@@ -167,3 +167,53 @@ def test_bad_batches_raise(batch, case):
   mutate, needles = BATCH_CASES[case]
   bad = mutate(batch) or batch
   _raises(lambda: validate_batch(bad, SPEC), *needles)
+
+
+# ---- regressions found by tests/test_fuzz.py -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("part", ["history", "user_interests"])
+def test_scalar_jagged_values_raise(ex, part):
+  """A 0-d values array used to raise IndexError (np.shape(values)[0])."""
+  if part == "history":
+    ex.history = (np.asarray(0), ex.history[1])
+  else:
+    ex.multi_hot[part] = (np.asarray(0), ex.multi_hot[part][1])
+  _raises(lambda: validate_examples(ex, SPEC), part, "scalar")
+
+
+def test_scalar_batch_values_raise(batch):
+  bad = _replace(batch, history=Jagged(np.asarray(0, np.int32), batch.history.offsets))
+  _raises(lambda: validate_batch(bad, SPEC), "history", "scalar")
+
+
+@pytest.mark.parametrize("how", ["values_only", "none", "triple"])
+def test_jagged_part_that_is_not_a_pair_raises(ex, how):
+  """Unpacking used to raise ValueError ('too many values to unpack') or TypeError (None)."""
+  values, lengths = ex.history
+  ex.history = {"values_only": values, "none": None, "triple": (values, lengths, lengths)}[how]
+  _raises(lambda: validate_examples(ex, SPEC), "history", "(values, lengths) pair")
+
+
+def test_non_string_feature_key_is_reported(ex):
+  """Sorting the keys for the message used to raise TypeError (int < str)."""
+  ex.sparse[7] = ex.sparse["hour"]
+  _raises(lambda: validate_examples(ex, SPEC), "sparse", "unexpected [7]")
+
+
+def test_row_count_error_names_the_part_rows_are_counted_by(ex, batch):
+  """A short domain_n used to be reported as 'user_id: expected shape (5,), got (6,)' alone."""
+  ex.domain_n = ex.domain_n[:-1]
+  _raises(lambda: validate_examples(ex, SPEC), "user_id", "rows counted by domain_n")
+  bad = _replace(batch, example_mask_B=batch.example_mask_B[:-1])
+  _raises(lambda: validate_batch(bad, SPEC), "domain_B", "rows counted by example_mask_B")
+
+
+@pytest.mark.parametrize("part", ["labels_nxK", "label_mask_nxK", "planted_logits_nxK"])
+def test_float64_label_parts_raise(ex, part):
+  """float64 used to pass and pack rounded it to float32: a planted logit of 1e300 became inf in the Batch."""
+  a = getattr(ex, part).astype(np.float64)
+  if part == "planted_logits_nxK":
+    a[0, 0] = 1e300
+  setattr(ex, part, a)
+  _raises(lambda: validate_examples(ex, SPEC), part.removesuffix("_nxK"), "float32", "float64")

@@ -18,14 +18,25 @@ original values in `SeqDataset.user_ids`.
 Leave-one-out (the standard protocol): per user, the last item is the test target, the second-to-last
 the validation target, everything before is training. A user needs at least 3 interactions.
 
-This module never repairs input: a malformed line, a duplicate user line, a non-positive id or a user
-too short to split raises `SeqRecDataError` naming the file, the line and the reason.
+Reading policy (the same for the three formats):
+  bytes     files are read as latin-1, so every byte decodes; only ASCII digits can make a number
+  lines     a line ends at "\n"; spaces, tabs and carriage returns around a line are ignored (CRLF files and
+            trailing blanks read fine, a missing final newline too); a blank line is skipped but still counts
+            in the line numbers of errors; a lone "\r" inside a line is not a line break
+  fields    ratings split on "::", u.data on tabs, sequences on runs of spaces and tabs; every field is a
+            plain decimal integer (an optional "-" and ASCII digits, leading zeros allowed) that fits int64:
+            no "+", "_", inner spaces, unicode digits or other whitespace; user, item ids and ratings are
+            positive, timestamps any int64
+
+This module never repairs input: a malformed line, a duplicate user line, a non-positive or out-of-range id
+or a user too short to split raises `SeqRecDataError` naming the file, the line and the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Callable, Iterator
 
 import numpy as np
@@ -33,6 +44,9 @@ import numpy as np
 from gem_jax.jagged import Jagged
 
 MIN_INTERACTIONS = 3  # one training item, the validation target, the test target
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
+_LINE_BLANKS = " \t\r\n"  # stripped around a line; other whitespace (\x0b, \xa0, ...) is an error
+_SEQUENCE_SEPARATOR = re.compile(r"[ \t]+")
 
 
 class SeqRecDataError(ValueError):
@@ -66,22 +80,27 @@ class SeqDataset:
 
 # ---- parsers ----------------------------------------------------------------------------------------
 def _parse_int(field: str, what: str, path: str, lineno: int) -> int:
-  try:
-    value = int(field)
-  except ValueError:
-    raise SeqRecDataError(f"{path}:{lineno}: {what} {field!r} is not an integer") from None
+  """A field by the module's policy: int64, positive unless it is a timestamp."""
+  # Not int(field) alone: it accepts " 5", "+5", "1_000" and unicode digits, and has no int64 bound.
+  if not (field.isascii() and (field.isdigit() or (field[:1] == "-" and field[1:].isdigit()))):
+    raise SeqRecDataError(f"{path}:{lineno}: {what} {field[:40]!r} is not an integer")
+  # Up to 18 characters always fit; the digit count keeps int() off very long strings (slow, or refused past
+  # 4300 digits).
+  if len(field) > 18 and (len(field.lstrip("-").lstrip("0")) > 19 or not _INT64_MIN <= int(field) <= _INT64_MAX):
+    raise SeqRecDataError(f"{path}:{lineno}: {what} {field[:40]} does not fit in int64")
+  value = int(field)
   if value < 1 and what != "timestamp":
     raise SeqRecDataError(f"{path}:{lineno}: {what} {value} must be a positive integer")
   return value
 
 
 def _lines(path: str) -> Iterator[tuple[int, str]]:
-  """(1-based line number, stripped line), blank lines skipped."""
+  """(1-based line number, line without the blanks around it), blank lines skipped."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"dataset file {path} does not exist")
-  with open(path, encoding="latin-1") as f:
+  with open(path, encoding="latin-1", newline="\n") as f:  # newline="\n": a lone "\r" does not end a line
     for lineno, line in enumerate(f, 1):
-      line = line.strip()
+      line = line.strip(_LINE_BLANKS)
       if line:
         yield lineno, line
 
@@ -136,10 +155,10 @@ def load_u_data(path: str, name: str = "ml-100k") -> SeqDataset:
 
 
 def load_sequences(path: str, name: str = "sequences") -> SeqDataset:
-  """One line per user, `user item item ...` in chronological order, separated by whitespace."""
+  """One line per user, `user item item ...` in chronological order, separated by spaces or tabs."""
   users, raw, lines, seen = [], [], [], {}
   for lineno, line in _lines(path):
-    fields = line.split()
+    fields = _SEQUENCE_SEPARATOR.split(line)
     user = _parse_int(fields[0], "user id", path, lineno)
     if user in seen:
       raise SeqRecDataError(f"{path}:{lineno}: user {user} already has a line (line {seen[user]})")

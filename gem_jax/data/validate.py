@@ -5,6 +5,15 @@ out-of-range id would be silently clamped by an XLA gather, a NaN would only sho
 steps later. Each check is vectorized numpy (cheap next to producing the data) and the first failure
 raises `BatchValidationError` naming the feature, the row (example index) and the bad value.
 
+Policies (what is accepted):
+  ids, lengths, domains   any integer dtype in `Examples` (packing to int32 is exact once they are in range);
+                          exactly int32 in a `Batch`; bool, float and object arrays are refused
+  float parts             exactly float32 in both layouts: packing float64 would round (or overflow to inf)
+                          silently; dense features must be finite, planted logits may be NaN (unknown)
+  row counts              `Examples` counts rows by domain_n, a `Batch` by example_mask_B; a part with another
+                          row count is reported naming that source as well
+  empty parts             a row with an empty history or no multi-hot ids is valid, and so is a block of 0 rows
+
 This module never repairs data: nothing is clipped, cast to a narrower type or dropped. It only reads.
 """
 
@@ -14,7 +23,7 @@ import numpy as np
 
 from gem_jax.data.batch import Batch, Examples
 from gem_jax.data.spec import FeatureSpec
-from gem_jax.jagged import validate_offsets
+from gem_jax.jagged import Jagged, validate_offsets
 
 
 class BatchValidationError(ValueError):
@@ -26,20 +35,20 @@ def validate_examples(ex: Examples, spec: FeatureSpec) -> None:
   n = _check_vector("domain", ex.domain_n, None, "int").shape[0]
   _check_keys("sparse", ex.sparse, [f.name for f in spec.single_hot])
   for f in spec.single_hot:
-    ids = _check_vector(f.name, ex.sparse[f.name], n, "int")
+    ids = _check_vector(f.name, ex.sparse[f.name], n, "int", _EXAMPLE_ROWS)
     _check_ids(f.name, ids, spec.table(f.table).vocab_size)
   _check_keys("multi_hot", ex.multi_hot, [f.name for f in spec.multi_hot])
   for f in spec.multi_hot:
-    values, lengths = ex.multi_hot[f.name]
+    values, lengths = _pair(f.name, ex.multi_hot[f.name])
     offsets = _offsets_from_lengths(f.name, values, lengths, n, f.max_ids, "max_ids")
     values = _check_vector(f"{f.name} values", values, None, "int")
     _check_ids(f.name, values, spec.table(f.table).vocab_size, offsets)
-  values, lengths = ex.history
+  values, lengths = _pair("history", ex.history)
   offsets = _offsets_from_lengths("history", values, lengths, n, spec.sequence.max_len, "sequence.max_len")
   _check_history_values(values, offsets, spec)
-  _check_dense(ex.dense_nxG, spec, n)
+  _check_dense(ex.dense_nxG, spec, n, _EXAMPLE_ROWS)
   _check_domain(ex.domain_n, spec)
-  _check_labels(ex.labels_nxK, ex.label_mask_nxK, ex.planted_logits_nxK, spec, n, exact_float32=False)
+  _check_labels(ex.labels_nxK, ex.label_mask_nxK, ex.planted_logits_nxK, spec, n, _EXAMPLE_ROWS)
 
 
 def validate_batch(batch: Batch, spec: FeatureSpec) -> None:
@@ -48,26 +57,28 @@ def validate_batch(batch: Batch, spec: FeatureSpec) -> None:
   Tail padding tokens of jagged arrays are checked too: a lookup reads every slot of the static capacity.
   """
   B = _check_vector("example_mask_B", batch.example_mask_B, None, "float32").shape[0]
-  _check_vector("domain_B", batch.domain_B, B, "int32")
+  _check_vector("domain_B", batch.domain_B, B, "int32", _BATCH_ROWS)
   _check_keys("sparse", batch.sparse, [f.name for f in spec.single_hot])
   for f in spec.single_hot:
-    ids = _check_vector(f.name, batch.sparse[f.name], B, "int32")
+    ids = _check_vector(f.name, batch.sparse[f.name], B, "int32", _BATCH_ROWS)
     _check_ids(f.name, ids, spec.table(f.table).vocab_size)
   _check_keys("multi_hot", batch.multi_hot, [f.name for f in spec.multi_hot])
   for f in spec.multi_hot:
-    jag = batch.multi_hot[f.name]
-    offsets = _check_batch_offsets(f.name, jag.offsets, np.shape(jag.values)[0], B, f.max_ids, "max_ids")
-    values = _check_vector(f"{f.name} values", jag.values, None, "int32")
+    jag = _jagged(f.name, batch.multi_hot[f.name])
+    values = _tokens(f.name, jag.values)
+    offsets = _check_batch_offsets(f.name, jag.offsets, values.shape[0], B, f.max_ids, "max_ids")
+    values = _check_vector(f"{f.name} values", values, None, "int32")
     _check_ids(f.name, values, spec.table(f.table).vocab_size, offsets)
-  offsets = _check_batch_offsets("history", batch.history.offsets, np.shape(batch.history.values)[0], B,
-                                 spec.sequence.max_len, "sequence.max_len")
-  values = np.asarray(batch.history.values)
+  history = _jagged("history", batch.history)
+  values = _tokens("history", history.values)
+  offsets = _check_batch_offsets("history", history.offsets, values.shape[0], B, spec.sequence.max_len,
+                                 "sequence.max_len")
   if values.dtype != np.int32:
     raise BatchValidationError(f"history: values must be int32, got {values.dtype}")
   _check_history_values(values, offsets, spec)
-  _check_dense(batch.dense_BxG, spec, B)
+  _check_dense(batch.dense_BxG, spec, B, _BATCH_ROWS)
   _check_domain(batch.domain_B, spec)
-  _check_labels(batch.labels_BxK, batch.label_mask_BxK, batch.planted_logits_BxK, spec, B, exact_float32=True)
+  _check_labels(batch.labels_BxK, batch.label_mask_BxK, batch.planted_logits_BxK, spec, B, _BATCH_ROWS)
   example_mask = np.asarray(batch.example_mask_B)
   _first_bad("example_mask_B", ~np.isin(example_mask, (0.0, 1.0)), example_mask, "is not 0 or 1")
   label_mask = np.asarray(batch.label_mask_BxK)
@@ -78,37 +89,71 @@ def validate_batch(batch: Batch, spec: FeatureSpec) -> None:
 
 # ---- shapes and dtypes ------------------------------------------------------------------------------
 
+# The part each layout counts its rows by, named when another part has a different row count.
+_EXAMPLE_ROWS = "domain_n"
+_BATCH_ROWS = "example_mask_B"
+
 
 def _check_keys(what: str, got: dict, expected: list[str]) -> None:
+  if not isinstance(got, dict):
+    raise BatchValidationError(f"{what}: expected a dict of features {expected}, got {type(got).__name__}")
   missing = [k for k in expected if k not in got]
   extra = [k for k in got if k not in expected]
   if missing or extra:
-    raise BatchValidationError(f"{what}: features {sorted(got)} do not match the spec {expected}"
+    # key=repr: a stray non-string key must be reported, not make sorted() raise TypeError.
+    raise BatchValidationError(f"{what}: features {sorted(got, key=repr)} do not match the spec {expected}"
                                f" (missing {missing}, unexpected {extra})")
 
 
+def _pair(name: str, part) -> tuple:
+  """The (values, lengths) of an Examples jagged part."""
+  if not isinstance(part, (tuple, list)) or len(part) != 2:
+    raise BatchValidationError(f"{name}: expected a (values, lengths) pair, got {type(part).__name__}")
+  return tuple(part)
+
+
+def _jagged(name: str, part) -> Jagged:
+  """A Batch jagged part, checked to be a Jagged."""
+  if not isinstance(part, Jagged):
+    raise BatchValidationError(f"{name}: expected a Jagged, got {type(part).__name__}")
+  return part
+
+
+def _tokens(name: str, values) -> np.ndarray:
+  """Jagged values as numpy; they need a leading token dim (the capacity)."""
+  values = np.asarray(values)
+  if values.ndim == 0:
+    raise BatchValidationError(f"{name}: values must have a leading token dim, got a scalar {values.dtype}")
+  return values
+
+
+def _shape_error(name: str, want, got, rows_from: str) -> BatchValidationError:
+  where = f" (rows counted by {rows_from})" if rows_from else ""
+  return BatchValidationError(f"{name}: expected shape {want}, got {got}{where}")
+
+
 def _check_dtype(name: str, a: np.ndarray, kind: str) -> None:
-  ok = {"int": np.issubdtype(a.dtype, np.integer), "float": np.issubdtype(a.dtype, np.floating),
-        "int32": a.dtype == np.int32, "float32": a.dtype == np.float32}[kind]
+  ok = {"int": np.issubdtype(a.dtype, np.integer), "int32": a.dtype == np.int32,
+        "float32": a.dtype == np.float32}[kind]
   if not ok:
-    want = {"int": "an integer dtype", "float": "a floating dtype"}.get(kind, kind)
+    want = "an integer dtype" if kind == "int" else kind
     raise BatchValidationError(f"{name}: expected {want}, got {a.dtype}")
 
 
-def _check_vector(name: str, a, n: int | None, kind: str) -> np.ndarray:
-  """Checks a 1-D array of length n (any length if None) and dtype kind; returns it as numpy."""
+def _check_vector(name: str, a, n: int | None, kind: str, rows_from: str = "") -> np.ndarray:
+  """Checks a 1-D array of length n (any length if None; rows_from: the part n was read from) and dtype
+  kind; returns it as numpy."""
   a = np.asarray(a)
   if a.ndim != 1 or (n is not None and a.shape[0] != n):
-    want = "(n,)" if n is None else f"({n},)"
-    raise BatchValidationError(f"{name}: expected shape {want}, got {a.shape}")
+    raise _shape_error(name, "(n,)" if n is None else f"({n},)", a.shape, rows_from if n is not None else "")
   _check_dtype(name, a, kind)
   return a
 
 
-def _check_matrix(name: str, a, shape: tuple[int, int], kind: str) -> np.ndarray:
+def _check_matrix(name: str, a, shape: tuple[int, int], kind: str, rows_from: str) -> np.ndarray:
   a = np.asarray(a)
   if a.shape != shape:
-    raise BatchValidationError(f"{name}: expected shape {shape}, got {a.shape}")
+    raise _shape_error(name, shape, a.shape, rows_from)
   _check_dtype(name, a, kind)
   return a
 
@@ -141,20 +186,18 @@ def _check_ids(name: str, ids: np.ndarray, vocab: int, offsets: np.ndarray | Non
 
 def _offsets_from_lengths(name: str, values, lengths, n: int, max_len: int, limit: str) -> np.ndarray:
   """Checks an Examples (values, lengths) pair and returns its offsets (no tail padding allowed)."""
-  lengths = np.asarray(lengths)
-  _check_vector(f"{name} lengths", lengths, n, "int")
+  lengths = _check_vector(f"{name} lengths", lengths, n, "int", _EXAMPLE_ROWS)
   _first_bad(name, lengths < 0, lengths, "is a negative length")
   _first_bad(name, lengths > max_len, lengths, f"is a length over {limit} = {max_len}")
   offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-  if np.shape(values)[0] != offsets[-1]:
-    raise BatchValidationError(f"{name}: lengths sum to {int(offsets[-1])} but there are"
-                               f" {np.shape(values)[0]} values")
+  tokens = _tokens(name, values).shape[0]
+  if tokens != offsets[-1]:
+    raise BatchValidationError(f"{name}: lengths sum to {int(offsets[-1])} but there are {tokens} values")
   return offsets
 
 
 def _check_batch_offsets(name: str, offsets, capacity: int, B: int, max_len: int, limit: str) -> np.ndarray:
-  offsets = np.asarray(offsets)
-  _check_vector(f"{name} offsets", offsets, B + 1, "int32")
+  offsets = _check_vector(f"{name} offsets", offsets, B + 1, "int32", f"{_BATCH_ROWS}, plus one")
   try:
     validate_offsets(offsets, capacity, name)
   except ValueError as e:
@@ -185,9 +228,9 @@ def _dense_column_names(spec: FeatureSpec) -> list[str]:
   return names
 
 
-def _check_dense(dense, spec: FeatureSpec, n: int) -> None:
+def _check_dense(dense, spec: FeatureSpec, n: int, rows_from: str) -> None:
   # float32 exactly, also in Examples: a float64 source would lose precision silently when packed.
-  dense = _check_matrix("dense", dense, (n, spec.dense_dim), "float32")
+  dense = _check_matrix("dense", dense, (n, spec.dense_dim), "float32", rows_from)
   bad = ~np.isfinite(dense)
   if bad.any():
     r, c = (int(i[0]) for i in np.nonzero(bad))
@@ -201,12 +244,12 @@ def _check_domain(domain, spec: FeatureSpec) -> None:
   _first_bad("domain", (domain < 0) | (domain >= D), domain, f"is outside [0, {D}) (domains {spec.domains})")
 
 
-def _check_labels(labels, mask, planted, spec: FeatureSpec, n: int, exact_float32: bool) -> None:
+def _check_labels(labels, mask, planted, spec: FeatureSpec, n: int, rows_from: str) -> None:
+  # float32 exactly, as dense: a float64 planted logit would be rounded (or overflow to inf) when packed.
   K = len(spec.tasks)
-  kind = "float32" if exact_float32 else "float"
-  labels = _check_matrix("labels", labels, (n, K), kind)
-  mask = _check_matrix("label_mask", mask, (n, K), kind)
-  planted = _check_matrix("planted_logits", planted, (n, K), kind)
+  labels = _check_matrix("labels", labels, (n, K), "float32", rows_from)
+  mask = _check_matrix("label_mask", mask, (n, K), "float32", rows_from)
+  planted = _check_matrix("planted_logits", planted, (n, K), "float32", rows_from)
   for k, task in enumerate(spec.tasks):
     _first_bad(f"labels.{task.name}", ~np.isin(labels[:, k], (0.0, 1.0)), labels[:, k], "is not 0 or 1")
     _first_bad(f"label_mask.{task.name}", ~np.isin(mask[:, k], (0.0, 1.0)), mask[:, k], "is not 0 or 1")
