@@ -1,4 +1,12 @@
-"""Checkpointer: bit-exact round trips (bf16, int32, typed keys, sharded arrays), JSON extra, pruning."""
+"""Checkpointer: bit-exact round trips (bf16, int32, typed keys, sharded arrays), JSON extra, pruning, and
+what a crash or a damaged file leaves: interrupted saves, truncated and bit-flipped files, fallback."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gem_jax.train.checkpoint import Checkpointer
+from gem_jax.train.checkpoint import CheckpointCorruptError, Checkpointer, fingerprint
 
 
 def _state(seed: int):
@@ -97,7 +105,8 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="does not match abstract_state"):
       ckpt.restore(abstract_state=dict(abstract, missing=jax.ShapeDtypeStruct((2,), jnp.float32)))
     ckpt.save(2, {"rng": jax.random.key_data(jax.random.key(0))}, force=True)
-    with pytest.raises(ValueError, match=r"\['rng'\] is a PRNG key in abstract_state but was saved as a plain"):
+    with pytest.raises(ValueError, match=r"does not match abstract_state at \['rng'\]: saved uint32\[2\], target "
+                       r"wants key<fry>\[\]"):
       ckpt.restore(abstract_state={"rng": jax.eval_shape(lambda: jax.random.key(0))})
 
 
@@ -129,3 +138,141 @@ def test_nnx_params_and_optimizer_state_round_trip(tmp_path):
     _, restored, _ = ckpt.restore(abstract_state=jax.eval_shape(make))
   _assert_bit_equal(restored, state)
   assert type(restored["params"]["table"]) is Table
+
+
+# ---- damage and crashes -------------------------------------------------------------------------------
+
+
+def _big_state(seed: int):
+  """Random (incompressible) weights, so the array data lands in one sizeable file per checkpoint."""
+  return {"w": jax.random.normal(jax.random.key(seed), (256, 256)), "step": jnp.int32(seed)}
+
+
+def _data_file(step_dir) -> str:
+  """The largest file of a checkpoint's array item: the one holding the weights' bytes."""
+  files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(step_dir, "state")) for f in names]
+  return max(files, key=os.path.getsize)
+
+
+def _save_steps(ckpt, steps):
+  for s in steps:
+    ckpt.save(s, _big_state(s), {"step": s}, force=True)
+  ckpt.wait()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_bit", "edit_extra", "break_meta"])
+def test_a_damaged_checkpoint_is_detected_and_the_previous_one_restored(tmp_path, damage):
+  abstract = jax.eval_shape(lambda: _big_state(0))
+  with Checkpointer(tmp_path, keep=3, save_every=1) as ckpt:
+    _save_steps(ckpt, (1, 2))
+    step_dir = ckpt.step_dir(2)
+    if damage == "truncate":
+      path = _data_file(step_dir)
+      with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+      reason = "could not be read"
+    elif damage == "flip_bit":  # orbax alone would restore this silently as a wrong weight
+      path = _data_file(step_dir)
+      with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+      reason = r"fails its integrity hashes in 1 leaves \(first: \['w'\]\)"
+    elif damage == "edit_extra":  # still valid JSON, other content
+      with open(os.path.join(step_dir, "extra", "metadata"), "w") as f:
+        json.dump({"step": 3}, f)
+      reason = "extra JSON fails its CRC32"
+    else:
+      with open(os.path.join(step_dir, "meta", "metadata"), "w") as f:
+        f.write('{"format": ')
+      reason = "is unreadable"
+    with pytest.warns(RuntimeWarning, match="trying the previous checkpoint"):
+      step, restored, extra = ckpt.restore(abstract_state=abstract)
+    assert step == 1 and extra == {"step": 1}
+    _assert_bit_equal(restored, _big_state(1))
+    [fb] = ckpt.fallbacks
+    assert fb.step == 2 and fb.moved_to == step_dir + ".corrupt"
+    assert re.search(rf"checkpoint step 2 in {re.escape(str(tmp_path))}\b.*{reason}", fb.reason), fb.reason
+    assert os.path.isdir(fb.moved_to) and ckpt.all_steps() == [1]
+    # The resumed run saves step 2 again; the damaged copy stays aside for inspection.
+    ckpt.save(2, _big_state(2), {"step": 2}, force=True)
+    step, restored, _ = ckpt.restore(abstract_state=abstract)
+    assert step == 2 and ckpt.all_steps() == [1, 2]
+    _assert_bit_equal(restored, _big_state(2))
+
+
+def test_every_checkpoint_damaged_raises_listing_each(tmp_path):
+  abstract = jax.eval_shape(lambda: _big_state(0))
+  with Checkpointer(tmp_path, keep=3, save_every=1) as ckpt:
+    _save_steps(ckpt, (1, 2))
+    for s in (1, 2):
+      with open(_data_file(ckpt.step_dir(s)), "r+b") as f:
+        f.truncate(10)
+    with pytest.warns(RuntimeWarning):
+      with pytest.raises(CheckpointCorruptError, match=r"no usable checkpoint in .*\n  checkpoint step 2 .*\n  "
+                                                       r"checkpoint step 1 "):
+        ckpt.restore(abstract_state=abstract)
+
+
+def test_an_explicit_damaged_step_raises_and_max_step_bounds_the_search(tmp_path):
+  abstract = jax.eval_shape(lambda: _big_state(0))
+  with Checkpointer(tmp_path, keep=3, save_every=1) as ckpt:
+    _save_steps(ckpt, (1, 2, 3))
+    with open(_data_file(ckpt.step_dir(2)), "r+b") as f:
+      f.truncate(10)
+    with pytest.raises(CheckpointCorruptError, match="checkpoint step 2 .* could not be read"):
+      ckpt.restore(2, abstract_state=abstract)
+    assert ckpt.all_steps() == [1, 2, 3] and not ckpt.fallbacks  # an explicit step is never moved
+    with pytest.warns(RuntimeWarning):
+      step, _, _ = ckpt.restore(abstract_state=abstract, max_step=2)
+    assert step == 1 and ckpt.all_steps() == [1, 3]
+    with pytest.raises(FileNotFoundError, match="no checkpoint at or before step 0"):
+      ckpt.restore(abstract_state=abstract, max_step=0)
+
+
+def test_fingerprint_does_not_depend_on_the_layout():
+  x = jax.random.normal(jax.random.key(0), (8, 6)).astype(jnp.bfloat16)
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+  sharded = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
+  tree = {"x": x, "k": jax.random.key(1), "n": jnp.arange(5), "flag": jnp.array([True, False])}
+  np.testing.assert_array_equal(fingerprint(tree), fingerprint(dict(tree, x=sharded)))
+  moved = x.at[3, 1].set(x[3, 1] + 1)
+  assert not np.array_equal(fingerprint({"x": x}), fingerprint({"x": moved}))
+  swapped = x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])  # same words, other places
+  if x[0, 0] != x[0, 1]:
+    assert not np.array_equal(fingerprint({"x": x}), fingerprint({"x": swapped}))
+
+
+_KILL_MID_SAVE = r"""
+import os, signal, sys
+import jax, jax.numpy as jnp
+from gem_jax.train.checkpoint import Checkpointer
+ckpt = Checkpointer(sys.argv[1], keep=3, save_every=1)
+ckpt.save(1, {"w": jax.random.normal(jax.random.key(1), (256, 256))}, {"step": 1}, force=True)
+ckpt.wait()
+big = {"w": jax.random.normal(jax.random.key(2), (4096, 4096))}   # 64 MiB: the write takes a while
+ckpt.save(2, big, {"step": 2}, force=True)                          # returns with the write in flight
+if os.path.exists(os.path.join(sys.argv[1], "2")):
+  print("committed before the kill", flush=True)
+  sys.exit(3)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _KILL_MID_SAVE, str(tmp_path)], env=env, capture_output=True,
+                        text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+  leftovers = [n for n in os.listdir(tmp_path) if n.startswith("2.")]
+  assert leftovers, os.listdir(tmp_path)   # the interrupted write is a temporary directory, not step 2
+  with Checkpointer(tmp_path, keep=3, save_every=1) as ckpt:
+    assert ckpt.all_steps() == [1]
+    step, restored, extra = ckpt.restore(abstract_state={"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)})
+    assert step == 1 and extra == {"step": 1} and not ckpt.fallbacks
+    np.testing.assert_array_equal(restored["w"], jax.random.normal(jax.random.key(1), (256, 256)))
+    ckpt.save(2, {"w": restored["w"]}, force=True)   # the next save clears the leftover and commits
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+  assert not [n for n in os.listdir(tmp_path) if n.startswith("2.")]

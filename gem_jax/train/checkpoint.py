@@ -1,31 +1,58 @@
-"""Checkpoints of a training run: the array state plus a small JSON sidecar, via orbax.
+"""Checkpoints of a training run, via orbax: crash-safe, verified on restore, restorable onto another mesh.
 
-One checkpoint (a directory named by its step) holds three orbax items:
-  state   the array pytree (params, optimizer state, step, rng key data), written by StandardSave: each
-          process writes its own shards, and restore reshards into whatever layout the abstract target
-          asks for, so a run can resume on a different mesh
-  extra   a JSON dict from the caller (data iterator position, config name, ...)
-  prng    which PRNG implementation each typed key had; typed keys are stored as their uint32
-          `jax.random.key_data` so that the array item holds only plain dtypes
+One checkpoint (a directory named by its step) holds four orbax items:
+  state      the array pytree (params, optimizer state, step, rng key data), written by StandardSave: each
+             process writes its own shards, and restore reshards into whatever layout the abstract target
+             asks for, so a run can resume on a different mesh (other axis sizes, other device count)
+  extra      a JSON dict from the caller (data iterator position, label counts, ...)
+  meta       JSON: the format version, every state leaf's path, shape and dtype, and which PRNG
+             implementation each typed key had (keys are stored as their uint32 `jax.random.key_data`)
+  integrity  two uint32 hashes of every state leaf's bits (position-weighted sums mod 2**32, computed on
+             device in one jitted pass, so they cost no host round trip) and a CRC32 of `extra`'s JSON
+
+Crash safety. orbax writes a checkpoint into a temporary directory and renames it to its step only once
+every item (and, multi-process, every process) is done, so a save interrupted at any moment (SIGKILL,
+node loss) leaves the previous checkpoints untouched; the leftover temporary directory is deleted by the
+next save. Saving is asynchronous: `save` returns once the arrays are copied off the device.
+
+Verification. orbax reads whatever bytes are on disk: a flipped bit in a data file restores silently as
+a wrong value (a truncated file at least raises). So restore re-hashes the restored arrays, on their new
+mesh, and compares with the hashes written at save time (integer sums are exact in any reduction order,
+so the check is mesh-independent). A checkpoint that cannot be read, or whose hashes differ, is corrupt:
+`restore()` says so (warning, and `self.fallbacks`), moves it aside to `<step>.corrupt` (so later saves
+of that step can proceed and the evidence stays on disk) and restores the next older one. When every
+checkpoint is corrupt it raises CheckpointCorruptError listing each reason; it never starts from nothing.
+
+A checkpoint whose leaves do not match the abstract target (another model config) is not corrupt: that
+raises ValueError naming the first differing leaf, without falling back, as every older checkpoint of
+the run would differ the same way.
 
 Multi-process runs: every process constructs the Checkpointer on the same directory (a filesystem all
-processes share) and calls save / restore / wait together; orbax coordinates them (each process writes
-its own shards, process 0 the JSON items and metadata, and a save commits once all are done).
-
-Restore is bit-exact: values, dtypes (bfloat16 included) and the pytree structure of the abstract target
-come back unchanged. This module never decides *what* to save (the train loop does) and never resumes
-silently from nothing: restoring from an empty directory or a missing step raises.
+processes share) and calls save / restore / wait together; orbax coordinates the writes (each process
+its own shards, process 0 the JSON items and metadata), and the processes agree on whether a checkpoint
+read cleanly before any of them compares hashes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import warnings
+import zlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+
+FORMAT = 1
+_ITEMS = ("state", "extra", "meta", "integrity")
+
+
+class CheckpointCorruptError(ValueError):
+  """A checkpoint on disk cannot be used: unreadable, truncated, or its contents fail their hashes."""
 
 
 def _is_key(x) -> bool:
@@ -37,6 +64,55 @@ def _abstract(x):
   none: jax.devices()[0] belongs to process 0 only)."""
   sharding = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
+
+
+def _leaf_hash(x):
+  """(2,) uint32: the sum of x's 32-bit words and their position-weighted sum, both mod 2**32."""
+  x = jnp.asarray(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  words = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32).reshape(-1)
+  index = jnp.arange(words.shape[0], dtype=jnp.uint32)
+  weights = index * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)
+  return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * weights, dtype=jnp.uint32)])
+
+
+@jax.jit
+def _fingerprint(leaves: list) -> jax.Array:
+  """(num_leaves, 2) uint32 hashes of the leaves' bits; identical for any sharding of the same values."""
+  if not leaves:
+    return jnp.zeros((0, 2), jnp.uint32)
+  return jnp.stack([_leaf_hash(x) for x in leaves])
+
+
+def fingerprint(tree) -> np.ndarray:
+  """The integrity hashes of a pytree of arrays (typed keys hashed as their key data), on the host."""
+  leaves = [jax.random.key_data(x) if _is_key(x) else x for x in jax.tree_util.tree_leaves(tree)]
+  return np.asarray(jax.device_get(_fingerprint(leaves)))
+
+
+def _extra_crc(extra: dict) -> int:
+  return zlib.crc32(json.dumps(extra, sort_keys=True, allow_nan=False).encode())
+
+
+def _leaf_table(tree) -> list[list]:
+  """[path, shape, dtype] of every leaf, the record a restore target is compared against."""
+  return [[jax.tree_util.keystr(path), list(np.shape(x)), str(x.dtype)]
+          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+  """A checkpoint restore skipped: its step, why, and where it was moved."""
+  step: int
+  reason: str
+  moved_to: str | None
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
 
 
 class Checkpointer:
@@ -53,11 +129,12 @@ class Checkpointer:
     directory = os.fspath(directory)
     self.directory = directory if "://" in directory else os.path.abspath(directory)
     self.save_every = save_every
+    self.fallbacks: list[Fallback] = []  # corrupt checkpoints skipped by restore(), oldest first
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
                                              enable_async_checkpointing=async_save),
-        item_names=("state", "extra", "prng"),
+        item_names=_ITEMS,
     )
 
   # ---- queries ------------------------------------------------------------------------------------
@@ -70,6 +147,9 @@ class Checkpointer:
   def should_save(self, step: int) -> bool:
     return step % self.save_every == 0
 
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
   # ---- save ---------------------------------------------------------------------------------------
   def save(self, step: int, state: Any, extra: dict | None = None, *, force: bool = False) -> bool:
     """Saves `state` (a pytree of jax arrays) and `extra` (JSON) as `step` if it is a save step or
@@ -78,7 +158,7 @@ class Checkpointer:
       return False
     extra = {} if extra is None else extra
     try:
-      json.dumps(extra, allow_nan=False)
+      crc = _extra_crc(extra)
     except (TypeError, ValueError) as e:
       raise ValueError(f"Checkpointer.save(step={step}): extra is not JSON-serializable: {e}") from None
     if step in self._manager.all_steps():
@@ -93,8 +173,11 @@ class Checkpointer:
       return x
 
     arrays = jax.tree_util.tree_map_with_path(plain, state)
+    meta = {"format": FORMAT, "leaves": _leaf_table(state), "prng": prng}
+    integrity = {"leaves": _fingerprint(jax.tree_util.tree_leaves(arrays)), "extra_crc": jnp.uint32(crc)}
     return self._manager.save(step, force=True, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(arrays), extra=ocp.args.JsonSave(extra), prng=ocp.args.JsonSave(prng)))
+        state=ocp.args.StandardSave(arrays), extra=ocp.args.JsonSave(extra), meta=ocp.args.JsonSave(meta),
+        integrity=ocp.args.StandardSave(integrity)))
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
@@ -109,50 +192,144 @@ class Checkpointer:
     self.close()
 
   # ---- restore ------------------------------------------------------------------------------------
-  def restore(self, step: int | None = None, *, abstract_state: Any) -> tuple[int, Any, dict]:
-    """(step, state, extra) of checkpoint `step` (default: the latest).
+  def restore(self, step: int | None = None, *, abstract_state: Any, fallback: bool = True,
+              max_step: int | None = None) -> tuple[int, Any, dict]:
+    """(step, state, extra) of checkpoint `step`, or of the newest usable one (at most `max_step`).
 
     `abstract_state`: the target pytree, of jax.ShapeDtypeStruct leaves (from jax.eval_shape, with the
     shardings to restore into) or of live arrays whose shapes, dtypes and shardings are copied. Typed
     PRNG keys are given as key-dtype leaves and come back as typed keys.
+
+    Without `step` and with `fallback`, a corrupt checkpoint is moved aside and recorded in
+    `self.fallbacks` (and warned about), and the next older one is tried. An explicit `step` that is
+    corrupt raises CheckpointCorruptError.
     """
     self.wait()
     steps = self.all_steps()
     if not steps:
       raise FileNotFoundError(f"no checkpoint to restore in {self.directory}")
-    if step is None:
-      step = steps[-1]
-    elif step not in steps:
-      raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; steps there: {steps}")
+    if step is not None:
+      if step not in steps:
+        raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; steps there: {steps}")
+      state, extra = self._restore_one(step, abstract_state)
+      return step, state, extra
+    candidates = [s for s in reversed(steps) if max_step is None or s <= max_step]
+    if not candidates:
+      raise FileNotFoundError(f"no checkpoint at or before step {max_step} in {self.directory}; steps there: "
+                              f"{steps}")
+    problems = []
+    for s in candidates:
+      try:
+        state, extra = self._restore_one(s, abstract_state)
+        return s, state, extra
+      except CheckpointCorruptError as e:
+        if not fallback:
+          raise
+        problems.append(str(e))
+        moved = self._quarantine(s)
+        self.fallbacks.append(Fallback(s, str(e), moved))
+        warnings.warn(f"{e}; moved to {moved}, trying the previous checkpoint", RuntimeWarning, stacklevel=2)
+    raise CheckpointCorruptError(f"no usable checkpoint in {self.directory}:\n  " + "\n  ".join(problems))
 
-    prng = self._manager.restore(step, args=ocp.args.Composite(prng=ocp.args.JsonRestore())).prng or {}
+  def _restore_one(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+    where = f"checkpoint step {step} in {self.directory}"
+    try:
+      meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    except Exception as e:  # noqa: BLE001 - any read failure of a committed checkpoint is corruption
+      raise CheckpointCorruptError(f"{where} is unreadable (meta: {type(e).__name__}: {_short(e)})") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+      raise CheckpointCorruptError(f"{where} has no gem-jax format {FORMAT} record (meta item: {_short(meta)})")
+    _check_leaves(where, meta["leaves"], _leaf_table(abstract_state))
+    prng = meta["prng"]
 
     def plain_target(path, x):
       if not _is_key(x):
         return _abstract(x)
-      name = jax.tree_util.keystr(path)
-      if name not in prng:
-        raise ValueError(f"checkpoint step {step}: {name} is a PRNG key in abstract_state but was saved as a "
-                         "plain array")
       data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
       # A key's sharding spec names only the key's own dims, so it also fits its key data.
       return _abstract(jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(x, "sharding", None)))
 
     target = jax.tree_util.tree_map_with_path(plain_target, abstract_state)
+    integrity_target = {"leaves": jax.ShapeDtypeStruct((len(meta["leaves"]), 2), jnp.uint32),
+                        "extra_crc": jax.ShapeDtypeStruct((), jnp.uint32)}
+    restored, failure = None, None
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore()))
-    except (ValueError, KeyError, TypeError) as e:
-      raise ValueError(f"checkpoint step {step} in {self.directory} does not match abstract_state: {e}") from e
+          state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore(),
+          integrity=ocp.args.StandardRestore(jax.tree.map(_abstract, integrity_target))))
+    except Exception as e:  # noqa: BLE001
+      failure = _describe(e)
+    failure = _agree(failure)
+    if failure is not None:
+      raise CheckpointCorruptError(f"{where} could not be read ({failure})")
+    extra = dict(restored.extra or {})
+    want = np.asarray(jax.device_get(restored.integrity["leaves"]))
+    got = np.asarray(jax.device_get(_fingerprint(jax.tree_util.tree_leaves(restored.state))))
+    bad = np.flatnonzero(np.any(want != got, axis=1))
+    if bad.size:
+      names = [meta["leaves"][i][0] for i in bad[:3]]
+      raise CheckpointCorruptError(f"{where} fails its integrity hashes in {bad.size} leaves (first: "
+                                   f"{', '.join(names)}): the bytes on disk changed after the save")
+    if int(jax.device_get(restored.integrity["extra_crc"])) != _extra_crc(extra):
+      raise CheckpointCorruptError(f"{where}: its extra JSON fails its CRC32: the file changed after the save")
 
     def typed(path, x, want):
       if not _is_key(want):
         return x
-      key = jax.random.wrap_key_data(x, impl=prng[jax.tree_util.keystr(path)])
-      if key.dtype != want.dtype:
-        raise ValueError(f"checkpoint step {step}: {jax.tree_util.keystr(path)} was saved as {key.dtype}, "
-                         f"abstract_state wants {want.dtype}")
-      return key
+      return jax.random.wrap_key_data(x, impl=prng[jax.tree_util.keystr(path)])
 
-    state = jax.tree_util.tree_map_with_path(typed, restored.state, abstract_state)
-    return step, state, dict(restored.extra or {})
+    return jax.tree_util.tree_map_with_path(typed, restored.state, abstract_state), extra
+
+  def _quarantine(self, step: int) -> str | None:
+    """Moves a corrupt step directory to `<step>.corrupt[.n]` (process 0); returns the new path."""
+    src, moved = self.step_dir(step), None
+    if jax.process_index() == 0 and "://" not in self.directory and os.path.exists(src):
+      moved, n = f"{src}.corrupt", 1
+      while os.path.exists(moved):
+        moved, n = f"{src}.corrupt.{n}", n + 1
+      os.rename(src, moved)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"gem_jax_checkpoint_quarantine_{step}")
+    self._manager.reload()
+    return moved
+
+
+def _check_leaves(where: str, saved: list, wanted: list) -> None:
+  """Raises ValueError at the first leaf where the checkpoint and the restore target differ."""
+  saved_paths = [p for p, _, _ in saved]
+  wanted_paths = [p for p, _, _ in wanted]
+  if saved_paths != wanted_paths:
+    only_saved = sorted(set(saved_paths) - set(wanted_paths))
+    only_wanted = sorted(set(wanted_paths) - set(saved_paths))
+    raise ValueError(f"{where} does not match abstract_state: leaves only in the checkpoint {only_saved[:5]}, "
+                     f"only in the target {only_wanted[:5]}")
+  for (path, shape, dtype), (_, want_shape, want_dtype) in zip(saved, wanted):
+    if list(shape) != list(want_shape) or dtype != want_dtype:
+      raise ValueError(f"{where} does not match abstract_state at {path}: saved {dtype}{list(shape)}, target "
+                       f"wants {want_dtype}{list(want_shape)}")
+
+
+def _agree(failure: str | None) -> str | None:
+  """Multi-process: a read failure on any process is a failure on all (before anyone runs a collective)."""
+  if jax.process_count() == 1:
+    return failure
+  from jax.experimental import multihost_utils
+  flags = multihost_utils.process_allgather(np.int32(failure is not None))
+  if failure is None and np.any(flags):
+    failure = f"process {int(np.flatnonzero(flags)[0])} could not read its shards"
+  return failure
+
+
+def _describe(e: BaseException) -> str:
+  """An exception and its root cause (tensorstore's reason sits at the bottom of orbax's chain), short."""
+  root = e
+  while (root.__cause__ or root.__context__) is not None and root is not (root.__cause__ or root.__context__):
+    root = root.__cause__ or root.__context__
+  text = f"{type(e).__name__}: {_short(e)}"
+  return text if root is e else f"{text}; cause: {type(root).__name__}: {_short(root)}"
+
+
+def _short(x, limit: int = 300) -> str:
+  text = " ".join(str(x).split(" See full TensorStore details")[0].split())
+  return text if len(text) <= limit else text[:limit] + " ..."
