@@ -5,10 +5,11 @@ One checkpoint (a directory named by its step) holds four orbax items:
              process writes its own shards, and restore reshards into whatever layout the abstract target
              asks for, so a run can resume on a different mesh (other axis sizes, other device count)
   extra      a JSON dict from the caller (data iterator position, label counts, ...)
-  meta       JSON: the format version, every state leaf's path, shape and dtype, and which PRNG
-             implementation each typed key had (keys are stored as their uint32 `jax.random.key_data`)
+  meta       JSON: the format version, every state leaf's path, shape and dtype, which PRNG
+             implementation each typed key had (keys are stored as their uint32 `jax.random.key_data`),
+             and a CRC32 of `extra`'s JSON
   integrity  two uint32 hashes of every state leaf's bits (position-weighted sums mod 2**32, computed on
-             device in one jitted pass, so they cost no host round trip) and a CRC32 of `extra`'s JSON
+             device in one jitted pass, so they cost no host round trip)
 
 Crash safety. orbax writes a checkpoint into a temporary directory and renames it to its step only once
 every item (and, multi-process, every process) is done, so a save interrupted at any moment (SIGKILL,
@@ -173,8 +174,10 @@ class Checkpointer:
       return x
 
     arrays = jax.tree_util.tree_map_with_path(plain, state)
-    meta = {"format": FORMAT, "leaves": _leaf_table(state), "prng": prng}
-    integrity = {"leaves": _fingerprint(jax.tree_util.tree_leaves(arrays)), "extra_crc": jnp.uint32(crc)}
+    meta = {"format": FORMAT, "leaves": _leaf_table(state), "prng": prng, "extra_crc": crc}
+    # The hashes come out of one jit over the (global) state, so they are a global array in a
+    # multi-process run too, which orbax requires of everything in an array item.
+    integrity = {"leaves": _fingerprint(jax.tree_util.tree_leaves(arrays))}
     return self._manager.save(step, force=True, args=ocp.args.Composite(
         state=ocp.args.StandardSave(arrays), extra=ocp.args.JsonSave(extra), meta=ocp.args.JsonSave(meta),
         integrity=ocp.args.StandardSave(integrity)))
@@ -250,8 +253,7 @@ class Checkpointer:
       return _abstract(jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(x, "sharding", None)))
 
     target = jax.tree_util.tree_map_with_path(plain_target, abstract_state)
-    integrity_target = {"leaves": jax.ShapeDtypeStruct((len(meta["leaves"]), 2), jnp.uint32),
-                        "extra_crc": jax.ShapeDtypeStruct((), jnp.uint32)}
+    integrity_target = {"leaves": jax.ShapeDtypeStruct((len(meta["leaves"]), 2), jnp.uint32)}
     restored, failure = None, None
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -270,7 +272,7 @@ class Checkpointer:
       names = [meta["leaves"][i][0] for i in bad[:3]]
       raise CheckpointCorruptError(f"{where} fails its integrity hashes in {bad.size} leaves (first: "
                                    f"{', '.join(names)}): the bytes on disk changed after the save")
-    if int(jax.device_get(restored.integrity["extra_crc"])) != _extra_crc(extra):
+    if meta.get("extra_crc") != _extra_crc(extra):
       raise CheckpointCorruptError(f"{where}: its extra JSON fails its CRC32: the file changed after the save")
 
     def typed(path, x, want):
