@@ -4,6 +4,8 @@
   python experiments/train.py --config tiny --out runs/tiny --set train.steps=50
   python experiments/train.py --out runs/default --resume   # continue from the last checkpoint
   python experiments/train.py --config tiny --mesh meshes/cpu_16_5d.yaml --out runs/5d   # 16 CPU devices
+  python experiments/train.py --config tiny --mesh meshes/cpu_1.yaml --out runs/5d --eval-only
+      # evaluate the newest checkpoint of runs/5d on another mesh (restored resharded)
 
 Multi-process (one command per process; on SLURM or Open MPI, JAX finds the coordinator itself):
   python experiments/train.py --mesh meshes/cpu_8.yaml --coordinator localhost:12355 \\
@@ -40,6 +42,10 @@ def main(argv=None) -> int:
   p.add_argument("--process-id", type=int, default=None)
   p.add_argument("--local-devices", type=int, default=None,
                  help="CPU devices of this process (default: all the mesh needs, in one process)")
+  p.add_argument("--eval-only", action="store_true",
+                 help="evaluate the newest usable checkpoint in --out on this --mesh (any mesh) and print the "
+                      "metrics as JSON; no training")
+  p.add_argument("--step", type=int, default=None, help="with --eval-only: the checkpoint step")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   p.add_argument("--no-report", action="store_true",
                  help="skip the efficiency report (report.json, plots/, profile/ and the table)")
@@ -61,8 +67,14 @@ def main(argv=None) -> int:
   cfg = apply_overrides(configs.get(args.config), args.set)
   if args.mesh:
     cfg = apply_overrides(cfg, [f"mesh={args.mesh}"])
-  summary = train(cfg, args.out, resume=args.resume, progress=not args.no_progress, report=not args.no_report)
   import jax
+  if args.eval_only:
+    from gem_jax.train.loop import evaluate_checkpoint
+    result = evaluate_checkpoint(cfg, args.out, args.step)
+    if jax.process_index() == 0:
+      print(json.dumps(result, indent=2))
+    return 0
+  summary = train(cfg, args.out, resume=args.resume, progress=not args.no_progress, report=not args.no_report)
   if jax.process_index() == 0:
     print(json.dumps({"steps": summary["steps"], "examples_per_s": summary["examples_per_s"],
                       "tasks": summary["tasks"]}, indent=2))

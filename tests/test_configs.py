@@ -44,12 +44,12 @@ def test_every_config_traces_a_train_step(name):
   optimizer = make_optimizer(cfg.train, nnx.state(abstract_model, nnx.Param))
   graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
   opt_state = jax.eval_shape(optimizer.init, params)
-  state = TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32))
+  state = TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32), jax.eval_shape(jax.random.key, 0))
   step = make_train_step(graphdef, rest, optimizer, spec)
   length = min(spec.sequence.max_len, 8)
   batch = unpadded_batch(spec, 4, length)
   new_state, metrics = jax.eval_shape(step, state, batch)
-  assert metrics["loss"].shape == () and new_state.step.dtype == jnp.int32
+  assert metrics["loss"].shape == () and new_state.step.dtype == jnp.int32 and metrics["nonfinite"].shape == ()
 
 
 def test_overrides_set_nested_fields_and_reject_unknown_keys():

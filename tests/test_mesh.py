@@ -105,6 +105,16 @@ def broken(edit):
     (lambda d: d.pop("devices_per_node"), "missing key 'devices_per_node'"),
     (lambda d: d.update(rules={"embed": "model"}), "rules.embed: 'model' is not a mesh axis"),
     (lambda d: d.update(rules={"vocab": "sparse"}), "rules.vocab: unknown logical axis"),
+    (lambda d: d.update(rules=["fsdp"]), "rules must map logical axes to a mesh axis, a list of them or null"),
+    (lambda d: d.update(rules={"embed": 5}), "rules.embed must be a mesh axis, a list of mesh axes or null, got 5"),
+    (lambda d: d.update(rules={"table_rows": ["sparse", "sparse"]}), r"rules.table_rows: \['sparse', 'sparse'\] "
+                                                                      "names a mesh axis twice"),
+    (lambda d: d.update(rules={"batch": ["fsdp"]}), "rules.batch: the SPMD step always splits batch over the data"),
+    (lambda d: d["axes"].update(fsdp="2"), "axes.fsdp must be a positive integer, got '2'"),
+    (lambda d: d["axes"].update(fsdp=2.0), "axes.fsdp must be a positive integer, got 2.0"),
+    (lambda d: d.update(name=None), "name must be a non-empty string, got None"),
+    (lambda d: d["hardware"].update(peak_bf16_flops=float("nan")), "hardware.peak_bf16_flops must be a positive"),
+    (lambda d: d["hardware"].update(hbm_bandwidth=float("inf")), "hardware.hbm_bandwidth must be a positive"),
 ])
 def test_bad_mesh_files_fail_naming_the_field(edit, message):
   with pytest.raises(MeshFileError, match=message):

@@ -62,13 +62,17 @@ class PipelineConfig:
   prefetch_buffer_size: int = 8  # packed batches grain keeps ready ahead of the consumer
 
   def __post_init__(self):
-    if self.batch_size <= 0:
-      raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+    # Sizes are ints: a float batch size or bucket multiple fails only inside numpy's shapes, far from here.
+    for name, low in (("batch_size", 1), ("bucket_multiple", 1), ("read_threads", 0), ("prefetch_buffer_size", 0)):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"data.pipeline.{name} must be an integer >= {low}, got {value!r}")
     fr = self.history_bucket_fractions
-    if not fr or any(not 0 < f <= 1 for f in fr) or list(fr) != sorted(fr) or fr[-1] != 1.0:
-      raise ValueError(f"history_bucket_fractions must increase within (0, 1] and end at 1.0, got {fr}")
-    if self.bucket_multiple <= 0 or self.read_threads < 0 or self.prefetch_buffer_size < 0:
-      raise ValueError(f"bad bucket_multiple / read_threads / prefetch_buffer_size in {self}")
+    is_number = lambda f: not isinstance(f, bool) and isinstance(f, (int, float, np.number))
+    if (not fr or not all(map(is_number, fr)) or any(not 0 < f <= 1 for f in fr) or list(fr) != sorted(fr)
+        or fr[-1] != 1.0):
+      raise ValueError(f"data.pipeline.history_bucket_fractions must increase within (0, 1] and end at 1.0, "
+                       f"got {fr!r}")
 
   def history_buckets(self, spec: FeatureSpec) -> tuple[int, ...]:
     """The allowed history capacities T, increasing; the last one holds B * max_len tokens."""

@@ -16,11 +16,21 @@ PartitionSpec.
 from __future__ import annotations
 
 import dataclasses
+import numbers
+
 import jax.numpy as jnp
 
 from gem_jax.precision.policy import PrecisionConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _check_ints(prefix: str, obj, minimum: dict[str, int]) -> None:
+  """Each named field is an int (a float or bool size fails only deep inside a shape) >= its minimum."""
+  for name, low in minimum.items():
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+      raise ValueError(f"{prefix}{name} must be an integer >= {low}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +46,15 @@ class HSTUConfig:
   attn_impl: str = "auto"     # gem_jax.ops.hstu_attention impl
   dropout_rate: float = 0.0   # on the gated attention output before the output projection (training only)
 
+  def __post_init__(self):
+    _check_ints("model.hstu.", self, {"num_heads": 1, "head_dim": 1, "value_dim": 1, "num_contextual": 0,
+                                      "rel_pos_buckets": 1})
+    if not isinstance(self.keep_last, tuple) or any(
+        isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1 for k in self.keep_last):
+      raise ValueError(f"model.hstu.keep_last must be a tuple of integers >= 1, got {self.keep_last!r}")
+    if not isinstance(self.dropout_rate, numbers.Real) or not 0.0 <= self.dropout_rate < 1.0:
+      raise ValueError(f"model.hstu.dropout_rate must be in [0, 1), got {self.dropout_rate!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class WukongConfig:
@@ -43,6 +62,10 @@ class WukongConfig:
   lcb_outputs: int = 8        # n_l embeddings out of the linear compression block
   fm_rank: int = 8            # k of the low-rank Y in X (X^T Y)
   mlp_hidden: int = 256
+
+  def __post_init__(self):
+    # Each block needs an output: a zero-width Dense has no fan to initialize from (ZeroDivisionError).
+    _check_ints("model.wukong.", self, {"fm_outputs": 1, "lcb_outputs": 1, "fm_rank": 1, "mlp_hidden": 1})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,22 +82,16 @@ class ModelConfig:
   precision: PrecisionConfig = PrecisionConfig()   # per-layer FP8 policy (gem_jax/precision/policy.py)
 
   def __post_init__(self):
+    """Single-field checks (hstu and wukong check their own fields); checks across configs or against a mesh
+    are in gem_jax/check.py."""
+    _check_ints("model.", self, {"embed_dim": 1, "model_dim": 1, "num_layers": 1, "num_recent": 0,
+                                 "tower_hidden": 1})
     if len(self.hstu.keep_last) != self.num_layers:
-      raise ValueError(f"hstu.keep_last has {len(self.hstu.keep_last)} entries for {self.num_layers} layers")
-    if any(k < 1 for k in self.hstu.keep_last):
-      raise ValueError(f"hstu.keep_last entries must be >= 1, got {self.hstu.keep_last}")
+      raise ValueError(f"model.hstu.keep_last has {len(self.hstu.keep_last)} entries for {self.num_layers} "
+                       "layers (model.num_layers): one per layer")
     for name in ("compute_dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
-    if not 0.0 <= self.hstu.dropout_rate < 1.0:
-      raise ValueError(f"hstu.dropout_rate must be in [0, 1), got {self.hstu.dropout_rate}")
-    if self.hstu.num_contextual < 0 or self.num_recent < 0:
-      raise ValueError("hstu.num_contextual and num_recent must be >= 0, got "
-                       f"{self.hstu.num_contextual}, {self.num_recent}")
-    if min(self.embed_dim, self.model_dim, self.hstu.num_heads, self.hstu.head_dim, self.hstu.value_dim,
-           self.wukong.fm_outputs + self.wukong.lcb_outputs, self.wukong.fm_rank, self.wukong.mlp_hidden,
-           self.tower_hidden, self.hstu.rel_pos_buckets) < 1:
-      raise ValueError(f"model widths must be positive: {self}")
+        raise ValueError(f"model.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
 
   @property
   def dtype(self):

@@ -62,15 +62,16 @@ class GEMLayer(nnx.Module):
     self.summary = SequenceSummary(cfg, rngs=rngs)
     self.wukong = WukongLayer(num_state + num_summary(cfg), cfg, rngs=rngs)
 
-  def __call__(self, state_BxFxE, history: Jagged, target_BxD):
-    """-> (state B x F' x E, history outputs Jagged(T' x D), target output B x D, summary B x S x E)."""
+  def __call__(self, state_BxFxE, history: Jagged, target_BxD, *, dropout_rng=None):
+    """-> (state B x F' x E, history outputs Jagged(T' x D), target output B x D, summary B x S x E).
+    dropout_rng: the key of the HSTU layer's dropout (cfg.hstu.dropout_rate); None: deterministic."""
     b, d = target_BxD.shape
     c = self.num_contextual
     hist = jagged.keep_last(history, self.keep_last)
     ctx_BxCxD = self.context(state_BxFxE).astype(hist.values.dtype)
     rows = jagged.concat_rows(jagged.concat_rows(jagged.dense_to_jagged(ctx_BxCxD), hist),
                               jagged.dense_to_jagged(target_BxD[:, None, :].astype(hist.values.dtype)))
-    out = self.hstu(rows, num_targets_B=jnp.ones((b,), jnp.int32))
+    out = self.hstu(rows, num_targets_B=jnp.ones((b,), jnp.int32), dropout_rng=dropout_rng)
     ctx_out, rest = jagged.split_rows(out, jnp.full((b,), c, jnp.int32), b * c, hist.capacity + b)
     hist_out, target_out = jagged.split_rows(rest, rest.lengths() - 1, hist.capacity, b)
     # Every row has exactly C contextual tokens and one target, so both pack densely.
@@ -129,16 +130,18 @@ class GEM(nnx.Module):
     tokens_TxD = self.token_proj(jnp.concatenate(self.embeddings.history(ids), axis=-1))
     return GEMInputs(jnp.stack(nonseq, axis=1), ids.replace_values(tokens_TxD), target_BxD, batch.domain_B)
 
-  def forward(self, inputs: GEMInputs):
-    """The dense trunk and heads: GEMInputs -> logits_BxK (float32)."""
+  def forward(self, inputs: GEMInputs, *, dropout_rng=None):
+    """The dense trunk and heads: GEMInputs -> logits_BxK (float32). dropout_rng: training's key for the
+    HSTU layers' dropout (layer i folds in i); None: deterministic (evaluation)."""
     state_BxFxE, history, target_BxD = inputs.nonseq_BxFxE, inputs.history, inputs.target_BxD
     summary_BxSxE = None
-    for layer in self.layers:
-      state_BxFxE, history, target_BxD, summary_BxSxE = layer(state_BxFxE, history, target_BxD)
+    for i, layer in enumerate(self.layers):
+      rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
+      state_BxFxE, history, target_BxD, summary_BxSxE = layer(state_BxFxE, history, target_BxD, dropout_rng=rng)
     b, dt = target_BxD.shape[0], state_BxFxE.dtype
     head_in_BxI = jnp.concatenate(
         [state_BxFxE.reshape(b, -1), summary_BxSxE.reshape(b, -1).astype(dt), target_BxD.astype(dt)], axis=-1)
     return self.heads(head_in_BxI, inputs.domain_B).astype(jnp.float32)
 
-  def __call__(self, batch: Batch):
-    return self.forward(self.embed(batch))
+  def __call__(self, batch: Batch, *, dropout_rng=None):
+    return self.forward(self.embed(batch), dropout_rng=dropout_rng)

@@ -14,6 +14,8 @@ Schema (meshes/README.md has the prose):
   hardware: {device, peak_bf16_flops, peak_fp8_flops, hbm_bytes, hbm_bandwidth,
              intra_node_bandwidth, inter_node_bandwidth}    # per device, bytes and bytes/s
   rules: {logical_name: mesh axis | [mesh axes] | null}    # optional overrides of parallel/rules.py
+                                                            # (parameter axes only: the batch always
+                                                            # splits over the data axes)
 
 Device order: the product of the intra_node sizes must equal devices_per_node. Devices are grouped into
 nodes of consecutive devices (on CPU these are virtual nodes; on multi-process GPU runs
@@ -95,9 +97,42 @@ def _number_or_none(value, where: str):
       value = float(value)
     except ValueError:
       raise MeshFileError(f"{where} must be a positive number or null, got {value!r}") from None
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+  # NaN and .inf would turn MFU and bandwidth times into NaN or 0 in every report.
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
     raise MeshFileError(f"{where} must be a positive number or null, got {value!r}")
   return float(value)
+
+
+# Logical axes of activations whose placement the SPMD step fixes itself (the batch over every data axis):
+# a mesh file's rule for them would be read by nothing.
+FIXED_RULES = ("batch", "tokens")
+
+
+def _rules(data, source: str) -> Rules:
+  """DEFAULT_RULES with the file's `rules` overrides applied; each override is checked."""
+  given = data.get("rules") or {}
+  if not isinstance(given, dict):
+    raise MeshFileError(f"{source}: rules must map logical axes to a mesh axis, a list of them or null, "
+                        f"got {type(given).__name__}")
+  rules = dict(DEFAULT_RULES)
+  for logical, target in given.items():
+    if logical not in rules:
+      raise MeshFileError(f"{source}: rules.{logical}: unknown logical axis; known: {sorted(rules)}")
+    if logical in FIXED_RULES:
+      raise MeshFileError(f"{source}: rules.{logical}: the SPMD step always splits {logical} over the data axes "
+                          f"{DATA_AXES}; a rule for it would be ignored")
+    if target is not None and not isinstance(target, (str, list)):
+      raise MeshFileError(f"{source}: rules.{logical} must be a mesh axis, a list of mesh axes or null, got "
+                          f"{target!r}")
+    targets = [target] if isinstance(target, str) else list(target or [])
+    for t in targets:
+      if t not in MESH_AXES:
+        raise MeshFileError(f"{source}: rules.{logical}: {t!r} is not a mesh axis {MESH_AXES}")
+    if len(set(targets)) != len(targets):
+      raise MeshFileError(f"{source}: rules.{logical}: {targets} names a mesh axis twice (a sharding uses each "
+                          "axis at most once)")
+    rules[logical] = None if not targets else targets[0] if len(targets) == 1 else tuple(targets)
+  return tuple(rules.items())
 
 
 def parse(data: Any, source: str = "<mesh>") -> MeshSpec:
@@ -110,6 +145,10 @@ def parse(data: Any, source: str = "<mesh>") -> MeshSpec:
   for key in ("name", "axes", "devices_per_node", "intra_node", "hardware"):
     if key not in data:
       raise MeshFileError(f"{source}: missing key {key!r}")
+  if not isinstance(data["name"], str) or not data["name"]:
+    raise MeshFileError(f"{source}: name must be a non-empty string, got {data['name']!r}")
+  if not isinstance(data.get("description", ""), str):
+    raise MeshFileError(f"{source}: description must be a string, got {data['description']!r}")
   axes = data["axes"]
   if not isinstance(axes, dict):
     raise MeshFileError(f"{source}: axes must map each of {MESH_AXES} to a size")
@@ -147,19 +186,10 @@ def parse(data: Any, source: str = "<mesh>") -> MeshSpec:
     raise MeshFileError(f"{source}: hardware.device must name the device, got {hw.get('device')!r}")
   hardware = Hardware(hw["device"], *(_number_or_none(hw.get(k), f"{source}: hardware.{k}")
                                       for k in HARDWARE_KEYS[1:]))
-  rules = dict(DEFAULT_RULES)
-  for logical, target in (data.get("rules") or {}).items():
-    if logical not in rules:
-      raise MeshFileError(f"{source}: rules.{logical}: unknown logical axis; known: {sorted(rules)}")
-    targets = [target] if isinstance(target, str) else list(target or [])
-    for t in targets:
-      if t not in MESH_AXES:
-        raise MeshFileError(f"{source}: rules.{logical}: {t!r} is not a mesh axis {MESH_AXES}")
-    rules[logical] = None if not targets else targets[0] if len(targets) == 1 else tuple(targets)
-  return MeshSpec(name=str(data["name"]), description=str(data.get("description", "")),
+  return MeshSpec(name=data["name"], description=data.get("description", ""),
                   axes=tuple((a, sizes[a]) for a in MESH_AXES), devices_per_node=per_node,
                   intra_node=tuple((a, intra_sizes[a]) for a in MESH_AXES), hardware=hardware,
-                  rules=tuple(rules.items()))
+                  rules=_rules(data, source))
 
 
 def load(path: str | os.PathLike) -> MeshSpec:
@@ -172,6 +202,19 @@ def load(path: str | os.PathLike) -> MeshSpec:
   except yaml.YAMLError as e:
     raise MeshFileError(f"{path}: not valid YAML: {e}") from None
   return parse(data, str(path))
+
+
+def check_devices(spec: MeshSpec, num_devices: int) -> None:
+  """A mesh file runs on all the run's devices, which must be exactly as many as its axes multiply to."""
+  if num_devices == spec.num_devices:
+    return
+  import jax
+  raise MeshFileError(
+      f"mesh {spec.name!r} needs {spec.num_devices} devices "
+      f"({' x '.join(f'{a}={n}' for a, n in spec.axes)}), this run has {num_devices} "
+      f"({jax.default_backend()}; {jax.process_count()} process(es), {jax.local_device_count()} in this "
+      f"one); on CPU give each process {spec.num_devices // jax.process_count()} (experiments/train.py "
+      "--local-devices, or XLA_FLAGS=--xla_force_host_platform_device_count=N before jax is imported)")
 
 
 def device_grid(spec: MeshSpec, devices: Sequence) -> np.ndarray:
@@ -207,8 +250,9 @@ def build_mesh(spec: MeshSpec, devices: Sequence | None = None):
 
 
 def check_batch(spec: MeshSpec, batch_size: int) -> None:
-  """The batch must split evenly over every data axis."""
+  """The batch must split evenly over every data axis (data.pipeline.batch_size; shards of equal rows)."""
   if batch_size % spec.data_shards:
     shards = " x ".join(f"{a}={spec.shape[a]}" for a in DATA_AXES)
     raise MeshFileError(f"batch size {batch_size} does not divide over the data axes of mesh {spec.name!r} "
-                        f"({shards} = {spec.data_shards} shards)")
+                        f"({shards} = {spec.data_shards} shards): set data.pipeline.batch_size to a multiple "
+                        f"of {spec.data_shards}")

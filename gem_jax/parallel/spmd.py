@@ -54,7 +54,7 @@ from gem_jax.parallel import mesh as mesh_lib
 from gem_jax.parallel import sparse
 from gem_jax.parallel.mesh import MeshSpec
 from gem_jax.parallel.rules import DATA_AXES, MESH_AXES, Rules, logical_to_spec
-from gem_jax.train.step import TrainState
+from gem_jax.train.step import TrainState, guarded_update
 from pallas_kernels import vma
 
 
@@ -221,9 +221,17 @@ def _context(mesh: Mesh) -> layers.ContextParallel:
   return layers.ContextParallel(mesh.shape[CP_AXIS], lambda: jax.lax.axis_index(CP_AXIS), gather)
 
 
-def _forward(graphdef, rest, params, specs, batch: Batch, p: Plan, capacities, stats):
+def _forward(graphdef, rest, params, specs, batch: Batch, p: Plan, capacities, stats, dropout_rng=None):
   """The model on this device's data shard; `specs` are the global parameter specs (inside shard_map
-  the arrays are local blocks, so specs cannot be recomputed from their shapes)."""
+  the arrays are local blocks, so specs cannot be recomputed from their shapes).
+
+  dropout_rng (training): one key for the mesh; each device folds in its data shard and tensor slice,
+  so no two devices draw the same mask (the context-parallel HSTU path folds in its slice itself). The
+  masks therefore depend on the mesh: with dropout on, two meshes train equally well but not on the
+  same random numbers (with dropout off, the default, they compute the same function)."""
+  if dropout_rng is not None:
+    for axis in (*DATA_AXES, TP_AXIS):
+      dropout_rng = jax.random.fold_in(dropout_rng, jax.lax.axis_index(axis))
   # Every axis, size 1 included: then all parameters enter the model with one vma type (varying over the
   # whole mesh), which custom_vjp kernels need (their cotangents must match their inputs' types).
   active = MESH_AXES
@@ -240,7 +248,7 @@ def _forward(graphdef, rest, params, specs, batch: Batch, p: Plan, capacities, s
   with embeddings_lib.lookup_override(_lookup_fn(p, capacities, stats)), \
        layers.tensor_parallel(_tensor_sum), layers.context_parallel(_context(p.mesh)):
     model = nnx.merge(graphdef, full, rest)
-    return model(batch)
+    return model(batch, dropout_rng=dropout_rng)
 
 
 def _total(x, mesh: Mesh):
@@ -280,22 +288,21 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, spe
   param_specs = p.tree_specs(state.params)
   batch_spec = P(DATA_AXES)
 
-  def body(params, batch):
+  def body(params, batch, dropout_rng):
     stats: dict = {}
-    logits_BxK = _forward(graphdef, rest, params, param_specs, _local(batch), p, capacities, stats)
+    logits_BxK = _forward(graphdef, rest, params, param_specs, _local(batch), p, capacities, stats, dropout_rng)
     sum_K, examples, counts_K = multitask_sums(logits_BxK, _local(batch), spec)
     total = lambda x: _total(x, p.mesh)
     loss, per_task = loss_from_sums(total(sum_K), total(examples), total(counts_K), spec)
     return loss, {**per_task, **_stat_metrics(stats, p)}
 
-  sharded_loss = jax.shard_map(body, mesh=p.mesh, in_specs=(param_specs, batch_spec), out_specs=(P(), P()))
+  sharded_loss = jax.shard_map(body, mesh=p.mesh, in_specs=(param_specs, batch_spec, P()), out_specs=(P(), P()))
 
   def train_step(state: TrainState, batch: Batch):
-    (loss, aux), grads = jax.value_and_grad(sharded_loss, has_aux=True)(state.params, batch)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(grads)))
-    return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": grad_norm, **aux}
+    rng, dropout_rng = jax.random.split(state.rng)
+    (loss, aux), grads = jax.value_and_grad(sharded_loss, has_aux=True)(state.params, batch, dropout_rng)
+    new_state, metrics = guarded_update(optimizer, state, loss, grads, rng)
+    return new_state, {**metrics, **aux}
 
   shardings = state_shardings(state, p)
   return jax.jit(train_step, in_shardings=(shardings, NamedSharding(p.mesh, batch_spec)),
@@ -325,7 +332,8 @@ def make_eval_step(graphdef, rest, p: Plan, params, capacities: dict[str, int] |
 
 
 def state_shardings(state: TrainState, p: Plan) -> TrainState:
-  return TrainState(p.shardings(state.params), p.shardings(state.opt_state), NamedSharding(p.mesh, P()))
+  replicated = NamedSharding(p.mesh, P())
+  return TrainState(p.shardings(state.params), p.shardings(state.opt_state), replicated, replicated)
 
 
 def place_state(state: TrainState, p: Plan) -> TrainState:
@@ -333,6 +341,8 @@ def place_state(state: TrainState, p: Plan) -> TrainState:
   shardings = state_shardings(state, p)
 
   def put(x, s):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # a typed key: place its data, wrap it again
+      return jax.random.wrap_key_data(put(jax.random.key_data(x), s), impl=jax.random.key_impl(x))
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
 

@@ -12,6 +12,8 @@ Two optimizers, as in TorchRec/FBGEMM recommenders:
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +38,24 @@ class TrainConfig:
   keep_checkpoints: int = 3
   log_every: int = 10
   seed: int = 0
+  # Non-finite guard (gem_jax/train/step.py skips such a step's update): after `nonfinite_patience`
+  # skipped steps in a row, "restore" reloads the newest checkpoint from before the streak (weights and
+  # optimizer state; the data goes on) at most `max_nonfinite_restores` times, "stop" ends the run.
+  nonfinite_patience: int = 3
+  on_nonfinite: str = "restore"
+  max_nonfinite_restores: int = 3
 
   def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if field.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise ValueError(f"TrainConfig.{field.name} must be an integer, got {value!r}")
+      # NaN slips through the `< 0` checks below, and an infinite rate, decay or accumulator makes the first
+      # update NaN (an infinite adagrad_eps: tables that never move). An infinite clip norm means no clipping.
+      number = not isinstance(value, bool) and isinstance(value, numbers.Real)
+      if field.type in ("float", float) and (not number or math.isnan(value) or
+                                    (math.isinf(value) and field.name != "grad_clip_norm")):
+        raise ValueError(f"TrainConfig.{field.name} must be a finite number, got {value!r}")
     positive = ("steps", "learning_rate", "embedding_learning_rate", "eval_every", "eval_examples",
                 "checkpoint_every", "keep_checkpoints", "log_every", "grad_clip_norm", "adagrad_eps")
     for name in positive:
@@ -50,5 +68,10 @@ class TrainConfig:
     for name in ("b1", "b2"):
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+    if self.on_nonfinite not in ("restore", "stop"):
+      raise ValueError(f"TrainConfig.on_nonfinite must be 'restore' or 'stop', got {self.on_nonfinite!r}")
+    if self.nonfinite_patience < 1 or self.max_nonfinite_restores < 0:
+      raise ValueError(f"TrainConfig: nonfinite_patience must be >= 1 and max_nonfinite_restores >= 0, got "
+                       f"{self.nonfinite_patience} and {self.max_nonfinite_restores}")
     if self.weight_decay < 0 or self.adagrad_initial_accumulator < 0:
       raise ValueError("TrainConfig.weight_decay and adagrad_initial_accumulator must be non-negative")

@@ -21,17 +21,18 @@ summary.json and the progress bar, so the run folder looks like that of a single
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-import math
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gem_jax import check
 from gem_jax.config import Config
 from gem_jax.data import pipeline
 from gem_jax.data.synthetic import SyntheticAdsStream
@@ -42,7 +43,7 @@ from gem_jax.observe import report as report_lib
 from gem_jax.parallel import mesh as mesh_lib
 from gem_jax.parallel import spmd
 from gem_jax.train import metrics as metrics_lib
-from gem_jax.train.checkpoint import Checkpointer
+from gem_jax.train.checkpoint import Checkpointer, fingerprint
 from gem_jax.train.optim import make_optimizer
 from gem_jax.train.step import TrainState, init_state, make_eval_step, make_train_step
 
@@ -65,10 +66,16 @@ class _JsonlWriter:
     kept = []
     if resume_step is not None and os.path.exists(path):
       with open(path) as f:
-        for line in f:
+        lines = f.readlines()
+      for i, line in enumerate(lines):
+        try:
           record = json.loads(line)
-          if record.get("step", record.get("eval_step", 0)) <= resume_step and "final_eval" not in record:
-            kept.append(line)
+        except json.JSONDecodeError:
+          if i == len(lines) - 1:  # the write a kill cut short
+            break
+          raise ValueError(f"{path}:{i + 1}: not a JSON record: {line[:80]!r}") from None
+        if record.get("step", record.get("eval_step", 0)) <= resume_step and "final_eval" not in record:
+          kept.append(line if line.endswith("\n") else line + "\n")
     self._f = open(path, "w")
     self._f.writelines(kept)
 
@@ -105,62 +112,124 @@ def evaluate(eval_step, params, batches, spec, device_batch=None) -> tuple[dict,
   return model_acc.result(names), (planted_acc.result(names) if has_planted else {})
 
 
+@dataclasses.dataclass
+class _Run:
+  """Everything a run builds from its config before the first step: data, steps and the placed state."""
+  stream: SyntheticAdsStream
+  optimizer: Any
+  state: TrainState
+  train_step: Any
+  eval_step: Any
+  eval_batches: list
+  device_batch: Any = None  # host batch -> the train step's input (None: the batch itself, one device)
+  eval_place: Any = None
+  mesh_spec: Any = None
+  mesh: Any = None
+
+  def abstract_state(self) -> TrainState:
+    """The restore target: shapes, dtypes and this run's shardings (a checkpoint from any mesh fits)."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                  self.state)
+
+
+def _build(cfg: Config) -> _Run:
+  tc, spec = cfg.train, cfg.data.spec
+  stream = SyntheticAdsStream(spec, cfg.data.synthetic)
+  eval_batches = pipeline.eval_batches(stream, spec, cfg.data.pipeline, num_examples=tc.eval_examples,
+                                       start_index=EVAL_START_INDEX)
+  model = GEM(spec, cfg.model, rngs=nnx.Rngs(tc.seed))
+  optimizer = make_optimizer(tc, nnx.state(model, nnx.Param))
+  graphdef, rest, state = init_state(model, optimizer, tc.seed)
+  del model
+  if cfg.mesh is None:
+    # Committed to the device, like every restored array: a restore then changes no jit cache key.
+    state = jax.device_put(state, jax.local_devices()[0])
+    return _Run(stream, optimizer, state, make_train_step(graphdef, rest, optimizer, spec),
+                make_eval_step(graphdef, rest), eval_batches)
+  mesh_spec = mesh_lib.load(cfg.mesh)
+  mesh = mesh_lib.build_mesh(mesh_spec, mesh_devices(mesh_spec))
+  # The capacity of the embedding all-to-all is sized on the first training batch (block 0).
+  first = pipeline.pack(stream.block(0, cfg.data.pipeline.batch_size), spec, cfg.data.pipeline)
+  run = spmd.MeshRun.create(mesh_spec, mesh, graphdef, rest, optimizer, state, spec, cfg.data.pipeline,
+                            cfg.model.hstu.keep_last[0], first)
+  return _Run(stream, optimizer, run.state, run.train_step, run.eval_step, [run.shard(b) for b in eval_batches],
+              run.device_batch, run.place, mesh_spec, mesh)
+
+
+class NonFiniteError(FloatingPointError):
+  """Training stopped after consecutive non-finite steps (train.on_nonfinite = "stop", or too many restores)."""
+
+
+class _NonFiniteGuard:
+  """Counts the steps the train step skipped (metrics["nonfinite"]) and decides, per train.on_nonfinite,
+  what a streak of train.nonfinite_patience of them in a row calls for."""
+
+  def __init__(self, tc):
+    self.patience, self.policy, self.max_restores = tc.nonfinite_patience, tc.on_nonfinite, tc.max_nonfinite_restores
+    self.skipped: list[int] = []   # 1-based steps whose update was skipped
+    self.restores: list[dict] = []
+    self.streak = 0
+
+  def observe(self, step: int, host: dict) -> str | None:
+    """step: the 1-based step whose metrics these are. -> None, "restore" or "stop"."""
+    if not host.get("nonfinite"):
+      self.streak = 0
+      return None
+    self.skipped.append(step)
+    self.streak += 1
+    if self.streak < self.patience:
+      return None
+    return "stop" if self.policy == "stop" or len(self.restores) >= self.max_restores else "restore"
+
+  def summary(self) -> dict:
+    return {"skipped_steps": self.skipped, "restores": self.restores, "policy": self.policy,
+            "patience": self.patience}
+
+
 def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = True,
-          stop_after: int | None = None, report: bool = True) -> dict:
+          stop_after: int | None = None, report: bool = True,
+          on_event: Callable[[str, int], None] | None = None) -> dict:
   """Trains `cfg` and returns the summary (also written to out_dir/summary.json).
 
   stop_after: end this process after that step (with a checkpoint there), as if interrupted; a later
   call with resume=True continues the same run (same schedule, same data) to cfg.train.steps.
   report: write report.json, plots/ and the console table (a run that stops early writes none).
+  on_event(name, step): called as the run passes "start" (the step it starts from), "step" (step N
+  dispatched), "save_begin" / "save_started" (around handing checkpoint N to the async writer) and "done";
+  experiments/fault_drill.py kills the process at these points.
   """
+  check.check_config(cfg, None if cfg.mesh is None else mesh_lib.load(cfg.mesh), len(jax.devices()))
   os.makedirs(out_dir, exist_ok=True)
   tc, spec = cfg.train, cfg.data.spec
   writes_files = jax.process_index() == 0
   t_start = time.perf_counter()
+  event = on_event or (lambda name, step: None)
 
-  # ---- data --------------------------------------------------------------------------------------
-  stream = SyntheticAdsStream(spec, cfg.data.synthetic)
-  train_iter = pipeline.make_iterator(stream, spec, cfg.data.pipeline)
-  eval_batches = pipeline.eval_batches(stream, spec, cfg.data.pipeline, num_examples=tc.eval_examples,
-                                       start_index=EVAL_START_INDEX)
-
-  # ---- model and optimizer -----------------------------------------------------------------------
-  model = GEM(spec, cfg.model, rngs=nnx.Rngs(tc.seed))
-  params_for_opt = nnx.state(model, nnx.Param)
-  optimizer = make_optimizer(tc, params_for_opt)
-  graphdef, rest, state = init_state(model, optimizer)
-  del model, params_for_opt
-  eval_place = None
-  device_batch = None  # host batch -> the train step's input (identity on one device)
-  mesh_spec = mesh = None
-  if cfg.mesh is None:
-    train_step = make_train_step(graphdef, rest, optimizer, spec)
-    eval_step = make_eval_step(graphdef, rest)
-  else:
-    mesh_spec = mesh_lib.load(cfg.mesh)
-    mesh = mesh_lib.build_mesh(mesh_spec, mesh_devices(mesh_spec))
-    # The capacity of the embedding all-to-all is sized on the first training batch (block 0).
-    first = pipeline.pack(stream.block(0, cfg.data.pipeline.batch_size), spec, cfg.data.pipeline)
-    run = spmd.MeshRun.create(mesh_spec, mesh, graphdef, rest, optimizer, state, spec, cfg.data.pipeline,
-                              cfg.model.hstu.keep_last[0], first)
-    state, train_step, eval_step, device_batch = run.state, run.train_step, run.eval_step, run.device_batch
-    eval_batches = [run.shard(b) for b in eval_batches]
-    eval_place = run.place
+  # ---- data, model, optimizer, steps (one device or a mesh) ---------------------------------------
+  run = _build(cfg)
+  train_iter = pipeline.make_iterator(run.stream, spec, cfg.data.pipeline)
+  optimizer, state, train_step, eval_step = run.optimizer, run.state, run.train_step, run.eval_step
+  eval_batches, eval_place, device_batch = run.eval_batches, run.eval_place, run.device_batch
+  mesh_spec, mesh = run.mesh_spec, run.mesh
 
   # ---- restore -----------------------------------------------------------------------------------
   ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), keep=tc.keep_checkpoints,
                       save_every=tc.checkpoint_every)
   start_step, positives, seen = 0, np.zeros(len(spec.tasks)), np.zeros(len(spec.tasks))
+  resumed_faults = [], []
   if resume and ckpt.latest_step() is not None:
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    start_step, state, extra = ckpt.restore(abstract_state=abstract)
+    start_step, state, extra = ckpt.restore(abstract_state=run.abstract_state())
     train_iter.set_state(extra["data"])
     positives, seen = np.asarray(extra["label_positives"]), np.asarray(extra["label_counts"])
+    resumed_faults = extra.get("nonfinite_skipped", []), extra.get("nonfinite_restores", [])
   elif ckpt.latest_step() is not None:
     raise FileExistsError(f"{out_dir} already holds checkpoints (last step {ckpt.latest_step()}): pass "
                           "--resume to continue that run, or choose another --out")
+  event("start", start_step)
   log = _JsonlWriter(os.path.join(out_dir, "metrics.jsonl") if writes_files else None,
                      start_step if start_step > 0 else None)
+  for fb in ckpt.fallbacks:  # corrupt checkpoints skipped by the restore (each also warned about)
+    log.write({"event": "checkpoint_fallback", "step": start_step, **fb.as_dict()})
 
   # ---- efficiency meter (observe/meter.py): numbers on the host, never a block in the loop ------------
   batch_size = cfg.data.pipeline.batch_size
@@ -187,12 +256,44 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
   programs: dict[tuple, list] = {}  # batch shapes -> [compiled step, steps run]
   model_flops, examples, history_tokens = 0.0, 0, 0  # over the batches of this run (real rows only)
 
-  def drain(pending):
+  guard = _NonFiniteGuard(tc)
+  guard.skipped, guard.restores = list(resumed_faults[0]), list(resumed_faults[1])
+
+  def drain(pending) -> tuple[int, dict]:
     step, dev_metrics = pending
     host = _jsonable(jax.device_get(dev_metrics))
-    if not math.isfinite(host["loss"]):
-      raise FloatingPointError(f"non-finite loss {host['loss']} at step {step}; stopping the run")
+    if meter is not None:
+      host.update(meter.drained(step))
+    for key in history:
+      history[key].append(host.get(key))
     return step, host
+
+  def on_nonfinite(s: int, action: str, state: TrainState, step_batches: int, in_flight_applied: bool) -> TrainState:
+    """A streak of non-finite steps ending at step s (1-based; step_batches batches consumed so far):
+    stop, or restore the newest checkpoint from before the streak and go on with the data where it is
+    (the batches of the streak are skipped, not replayed)."""
+    first = s - guard.streak + 1
+    what = (f"{guard.streak} consecutive non-finite steps ({first}..{s}: loss or gradient norm NaN/Inf, "
+            f"updates skipped)")
+    if action == "stop":
+      ckpt.wait()
+      log.write({"event": "nonfinite_stop", "step": s, "streak": [first, s]})
+      log.close()
+      reason = ("train.on_nonfinite=stop" if guard.policy == "stop" else
+                f"already restored {len(guard.restores)} times (train.max_nonfinite_restores)")
+      raise NonFiniteError(f"{what}; stopping ({reason}); last checkpoint: step {ckpt.latest_step()} in "
+                           f"{ckpt.directory}")
+    restored_step, restored, _ = ckpt.restore(abstract_state=run.abstract_state(), max_step=first - 1)
+    # Keep the batch count and the key: the run goes on with new data, not a replay of the bad batches.
+    state = TrainState(restored.params, restored.opt_state, state.step, state.rng)
+    record = {"at_step": step_batches, "streak": [first, s], "restored_step": restored_step,
+              "updates_discarded": first - 1 - restored_step + int(in_flight_applied)}
+    guard.restores.append(record)
+    guard.streak = 0
+    log.write({"event": "nonfinite_restore", "step": step_batches, **record})
+    print(f"gem_jax: {what}; restored the weights and optimizer state of checkpoint step {restored_step} "
+          f"and continue with the next batch", flush=True)
+    return state
 
   for step in range(start_step, end_step):
     if meter is not None:
@@ -219,32 +320,41 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
         compile_s = (compile_s or 0.0) + time.perf_counter() - t0
       programs[shapes][1] += 1
     state, dev_metrics = train_step(state, step_batch)
+    event("step", step + 1)
     if t_first is None:
       jax.block_until_ready(dev_metrics)
       t_first = time.perf_counter()
     if pending is not None:
       s, host = drain(pending)
-      if meter is not None:
-        host.update(meter.drained(s))
-      for key in history:
-        history[key].append(host.get(key))
-      if (s + 1) % tc.log_every == 0:
+      action = guard.observe(s + 1, host)
+      if (s + 1) % tc.log_every == 0 or host["nonfinite"]:
         elapsed = time.perf_counter() - t_first
         done = s + 1 - start_step - 1
         host.update(step=s + 1, examples_per_s=done * batch_size / elapsed if done > 0 else None)
         log.write(host)
         if bar is not None:
           bar.set_postfix(loss=f"{host['loss']:.4f}", ex_s=f"{host['examples_per_s'] or 0:.0f}")
-    pending = (step, dev_metrics)
+      if action is not None:
+        # The step in flight ran on the streak's state and is discarded with it: read and log it first.
+        _, last = drain((step, dev_metrics))
+        log.write({**last, "step": step + 1})
+        if last["nonfinite"]:
+          guard.skipped.append(step + 1)
+        state = on_nonfinite(s + 1, action, state, step + 1, in_flight_applied=not last["nonfinite"])
+        dev_metrics = None
+    pending = None if dev_metrics is None else (step, dev_metrics)
     if bar is not None:
       bar.update(1)
     if ckpt.should_save(step + 1) or step + 1 in (tc.steps, end_step):
       if meter is not None:
         meter.mark_busy(step + 1)
+      event("save_begin", step + 1)
       # A copy: the next step donates `state`, and an async save must not read donated buffers.
       ckpt.save(step + 1, jax.tree_util.tree_map(jnp.copy, state),
                 {"data": train_iter.get_state(), "label_positives": positives.tolist(),
-                 "label_counts": seen.tolist()}, force=True)
+                 "label_counts": seen.tolist(), "nonfinite_skipped": guard.skipped,
+                 "nonfinite_restores": guard.restores}, force=True)
+      event("save_started", step + 1)
     if (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
       if meter is not None:
         meter.mark_busy(step + 1)
@@ -253,10 +363,7 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
       log.write(rec)
   if pending is not None:
     s, host = drain(pending)
-    if meter is not None:
-      host.update(meter.drained(s))
-    for key in history:
-      history[key].append(host.get(key))
+    guard.observe(s + 1, host)  # the run is over: a streak here only shows in the summary
     host.update(step=s + 1)
     log.write(host)
   jax.block_until_ready(state)
@@ -264,9 +371,11 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
   if bar is not None:
     bar.close()
   ckpt.wait()
+  event("done", end_step)
+  faults = {"nonfinite": guard.summary(), "checkpoint_fallbacks": [fb.as_dict() for fb in ckpt.fallbacks]}
   if end_step < tc.steps:
     log.close()
-    return {"config": cfg.name, "stopped_at": end_step, "steps_this_run": end_step - start_step}
+    return {"config": cfg.name, "stopped_at": end_step, "steps_this_run": end_step - start_step, **faults}
 
   # ---- final evaluation and summary ----------------------------------------------------------------
   model_metrics, planted_metrics = evaluate(eval_step, state.params, eval_batches, spec, eval_place)
@@ -296,6 +405,7 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
       "model_flops_per_example": model_flops / max(examples, 1),
       "mean_history_length": history_tokens / max(examples, 1),
       "tasks": tasks,
+      **faults,
   }
   if meter is not None:
     # The report reads the program most steps ran (one per history bucket).
@@ -312,6 +422,26 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
   return summary
+
+
+def evaluate_checkpoint(cfg: Config, out_dir: str, step: int | None = None) -> dict:
+  """Evaluates checkpoint `step` (default: the newest usable) of the run in out_dir on cfg's mesh, which
+  need not be the mesh that wrote it: the checkpoint is resharded on restore.
+
+  -> {"step", "mesh", "devices", "tasks": {task: eval metrics}, "state_fingerprint"}; the fingerprint
+  (hex of the train state's integrity hashes) is the same on every mesh when the restore is bit-exact.
+  """
+  check.check_config(cfg, None if cfg.mesh is None else mesh_lib.load(cfg.mesh), len(jax.devices()))
+  run = _build(cfg)
+  with Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.train.keep_checkpoints,
+                    save_every=cfg.train.checkpoint_every) as ckpt:
+    step, state, _ = ckpt.restore(step, abstract_state=run.abstract_state())
+    fallbacks = [fb.as_dict() for fb in ckpt.fallbacks]
+  model_metrics, _ = evaluate(run.eval_step, state.params, run.eval_batches, cfg.data.spec, run.eval_place)
+  return {"step": step, "mesh": run.mesh_spec.name if run.mesh_spec else None,
+          "devices": run.mesh_spec.num_devices if run.mesh_spec else 1, "tasks": model_metrics,
+          "state_fingerprint": hashlib.sha256(fingerprint(state).tobytes()).hexdigest()[:16],
+          "checkpoint_fallbacks": fallbacks}
 
 
 def _efficiency_report(cfg, out_dir, meter, *, compiled, mesh, mesh_spec, optimizer_flops, compile_s,
@@ -354,11 +484,5 @@ def _eval_labels(batches, k: int):
 def mesh_devices(mesh_spec) -> list:
   """The devices a mesh file runs on: all of them, which must be exactly as many as the file needs."""
   devices = jax.devices()
-  if len(devices) != mesh_spec.num_devices:
-    raise mesh_lib.MeshFileError(
-        f"mesh {mesh_spec.name!r} needs {mesh_spec.num_devices} devices "
-        f"({' x '.join(f'{a}={n}' for a, n in mesh_spec.axes)}), this run has {len(devices)} "
-        f"({jax.default_backend()}; {jax.process_count()} process(es), {jax.local_device_count()} in this "
-        f"one); on CPU give each process {mesh_spec.num_devices // jax.process_count()} (experiments/train.py "
-        "--local-devices, or XLA_FLAGS=--xla_force_host_platform_device_count=N before jax is imported)")
+  mesh_lib.check_devices(mesh_spec, len(devices))
   return devices

@@ -1,0 +1,224 @@
+"""What a run does when things break: non-finite steps (skip, restore, stop), kills (the fault drill),
+and a checkpoint moved to another mesh (resharding restore, same evaluation)."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from gem_jax import configs
+from gem_jax.config import apply_overrides
+from gem_jax.data import pipeline
+from gem_jax.train import loop
+from gem_jax.train.step import TrainState, guarded_update
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tiny(**overrides):
+  sets = {"train.warmup_steps": 1, "train.steps": 12, "train.log_every": 1, "train.checkpoint_every": 4,
+          "train.eval_every": 100, "train.eval_examples": 128, "train.nonfinite_patience": 3, **overrides}
+  return apply_overrides(configs.get("tiny"), [f"{k}={v}" for k, v in sets.items()])
+
+
+def _bits(tree):
+  key = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+  return [np.asarray(key(x)).tobytes() for x in jax.tree_util.tree_leaves(tree)]
+
+
+# ---- the guard inside the step -------------------------------------------------------------------------
+
+
+def test_guarded_update_keeps_params_and_optimizer_state_on_inf_gradients():
+  params = {"w": jnp.arange(4.0), "b": jnp.ones(2)}
+  tx = optax.adamw(optax.linear_schedule(1e-2, 0.0, 10))
+  state = TrainState(params, tx.init(params), jnp.int32(0), jax.random.key(0))
+  good = {"w": jnp.ones(4), "b": jnp.ones(2)}
+  stepped, m = guarded_update(tx, state, jnp.float32(0.5), good, jax.random.key(1))
+  assert int(m["nonfinite"]) == 0 and _bits(stepped.params) != _bits(params)
+  # A finite loss with one infinite gradient entry, and a NaN loss with finite gradients: both skipped.
+  for loss, grads in ((jnp.float32(0.5), {"w": good["w"].at[2].set(jnp.inf), "b": good["b"]}),
+                      (jnp.float32(jnp.nan), good)):
+    out, m = guarded_update(tx, stepped, loss, grads, jax.random.key(2))
+    assert int(m["nonfinite"]) == 1
+    assert _bits(out.params) == _bits(stepped.params)
+    assert _bits(out.opt_state) == _bits(stepped.opt_state)   # moments and the schedule's count too
+    assert int(out.step) == int(stepped.step) + 1
+
+
+@pytest.fixture(scope="module")
+def tiny_run(compile_cache):
+  cfg = _tiny()
+  run = loop._build(cfg)
+  batch = next(iter(pipeline.make_iterator(run.stream, cfg.data.spec, cfg.data.pipeline)))
+  return run, batch
+
+
+def test_train_step_skips_a_batch_with_nan_features(tiny_run):
+  run, batch = tiny_run
+  before = _bits(run.state)
+  poisoned = dataclasses.replace(batch, dense_BxG=np.full_like(batch.dense_BxG, np.nan))
+  copy = jax.tree_util.tree_map(jnp.copy, run.state)  # the step donates its input
+  skipped, m = run.train_step(copy, poisoned)
+  assert int(m["nonfinite"]) == 1 and not np.isfinite(float(m["loss"]))
+  assert _bits(skipped.params) == _bits(run.state.params) and _bits(skipped.opt_state) == _bits(run.state.opt_state)
+  assert int(skipped.step) == 1
+  stepped, m = run.train_step(jax.tree_util.tree_map(jnp.copy, run.state), batch)
+  assert int(m["nonfinite"]) == 0 and _bits(stepped.params) != _bits(run.state.params)
+  assert _bits(run.state) == before
+
+
+# ---- the loop's policy -------------------------------------------------------------------------------------
+
+
+class _Poisoned:
+  """The training iterator with NaN dense features in the batches of the given 1-based steps."""
+
+  def __init__(self, inner, bad_steps):
+    self.inner, self.bad, self.n = inner, set(bad_steps), 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    batch = next(self.inner)
+    self.n += 1
+    if self.n in self.bad:
+      batch = dataclasses.replace(batch, dense_BxG=np.full_like(batch.dense_BxG, np.nan))
+    return batch
+
+  def get_state(self):
+    return self.inner.get_state()
+
+  def set_state(self, state):
+    self.inner.set_state(state)
+
+
+def _poison(monkeypatch, bad_steps):
+  real = pipeline.make_iterator
+  monkeypatch.setattr(pipeline, "make_iterator", lambda *a, **k: _Poisoned(iter(real(*a, **k)), bad_steps))
+
+
+def _records(out_dir):
+  with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.mark.usefixtures("compile_cache")
+def test_a_short_streak_is_skipped_and_counted(tmp_path, monkeypatch):
+  _poison(monkeypatch, {5, 6})
+  summary = loop.train(_tiny(), str(tmp_path), progress=False, report=False)
+  assert summary["nonfinite"]["skipped_steps"] == [5, 6] and summary["nonfinite"]["restores"] == []
+  nonfinite = {r["step"]: r["nonfinite"] for r in _records(tmp_path) if "nonfinite" in r}
+  assert [s for s, bad in sorted(nonfinite.items()) if bad] == [5, 6] and len(nonfinite) == 12
+  assert np.isfinite(summary["tasks"]["click"]["eval_ne"])
+
+
+@pytest.mark.usefixtures("compile_cache")
+def test_a_long_streak_restores_the_checkpoint_before_it(tmp_path, monkeypatch, capsys):
+  _poison(monkeypatch, {6, 7, 8})
+  summary = loop.train(_tiny(), str(tmp_path), progress=False, report=False)
+  # Detected when step 8's metrics are read (step 9 in flight); checkpoint 8 was written during the
+  # streak, so the restore goes back to 4, the newest from before it.
+  [restore] = summary["nonfinite"]["restores"]
+  assert restore == {"at_step": 9, "streak": [6, 8], "restored_step": 4, "updates_discarded": 2}
+  assert summary["nonfinite"]["skipped_steps"] == [6, 7, 8]
+  assert "3 consecutive non-finite steps (6..8" in capsys.readouterr().out
+  records = _records(tmp_path)
+  assert [r for r in records if r.get("event") == "nonfinite_restore"][0]["restored_step"] == 4
+  assert max(r["step"] for r in records if "loss" in r) == 12
+  assert np.isfinite(summary["tasks"]["click"]["eval_ne"])
+
+
+@pytest.mark.usefixtures("compile_cache")
+def test_stop_policy_and_too_many_restores_end_the_run(tmp_path, monkeypatch):
+  _poison(monkeypatch, {6, 7, 8})
+  with pytest.raises(loop.NonFiniteError, match=r"3 consecutive non-finite steps \(6\.\.8.*stopping "
+                                                r"\(train.on_nonfinite=stop\); last checkpoint: step 8"):
+    loop.train(_tiny(**{"train.on_nonfinite": "stop"}), str(tmp_path / "stop"), progress=False, report=False)
+  assert any(r.get("event") == "nonfinite_stop" for r in _records(tmp_path / "stop"))
+  _poison(monkeypatch, set(range(6, 17)))  # restored once at step 9, then 10..12 in a row again
+  with pytest.raises(loop.NonFiniteError, match=r"\(10\.\.12.*already restored 1 times"):
+    loop.train(_tiny(**{"train.max_nonfinite_restores": 1, "train.steps": 16}), str(tmp_path / "again"),
+               progress=False, report=False)
+
+
+# ---- kills ---------------------------------------------------------------------------------------------
+
+
+def test_kill_points_cover_each_kind_in_run_order():
+  sys.path.insert(0, os.path.join(ROOT, "experiments"))
+  try:
+    import fault_drill
+  finally:
+    sys.path.pop(0)
+  plan = fault_drill.plan_kills(5, 30, 4, seed=0)
+  assert len(set(plan)) == 5 and {k for k, _ in plan} == set(fault_drill.KINDS)
+  assert plan == sorted(plan, key=lambda p: (p[1], fault_drill.KINDS.index(p[0])))
+  assert all(s % 4 == 0 for k, s in plan if k != "step") and all(0 < s < 30 for _, s in plan)
+  assert plan == fault_drill.plan_kills(5, 30, 4, seed=0) != fault_drill.plan_kills(5, 30, 4, seed=1)
+  with pytest.raises(ValueError, match="only 5 distinct kill points"):
+    fault_drill.plan_kills(6, 4, 2, seed=0)
+
+
+@pytest.mark.slow
+def test_fault_drill_resumes_bit_for_bit(tmp_path):
+  """The CI size of `experiments/fault_drill.py --kills 5`: three kills, one of each kind."""
+  out = tmp_path / "drill.json"
+  proc = subprocess.run([sys.executable, "experiments/fault_drill.py", "--kills", "3", "--steps", "12",
+                         "--out", str(out), "--workdir", str(tmp_path / "runs")], cwd=ROOT, capture_output=True,
+                        text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  drill = json.loads(out.read_text())
+  assert drill["identical"] and drill["losses_identical"] and drill["state_identical"] and drill["eval_identical"]
+  assert drill["steps_compared"] == 12 and drill["leaves_compared"] > 100
+  assert [k["kind"] for k in drill["kills"]] == ["save_started", "step", "save_begin"]
+  for k in drill["kills"]:
+    assert k["steps_lost"] == k["last_step_dispatched"] - k["resumed_from"] >= 0
+    assert k["resumed_from"] in [0] + k["checkpoints_on_disk"]
+
+
+# ---- resharding restore ----------------------------------------------------------------------------------
+
+
+RESHARD_SETS = {"train.steps": 4, "train.checkpoint_every": 4, "train.eval_examples": 2048}
+
+
+def _eval_on(mesh: str, run_dir) -> dict:
+  """experiments/train.py --eval-only in a process with exactly the mesh's CPU devices."""
+  cmd = [sys.executable, "experiments/train.py", "--config", "tiny", "--mesh", f"meshes/{mesh}.yaml",
+         "--out", str(run_dir), "--eval-only"]
+  for k, v in {**RESHARD_SETS, "train.warmup_steps": 1, "train.eval_every": 100}.items():
+    cmd += ["--set", f"{k}={v}"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(cmd, cwd=ROOT, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("compile_cache")
+def test_a_checkpoint_written_on_cpu_8_evaluates_the_same_on_cpu_1_and_cpu_16_5d(tmp_path):
+  cfg = apply_overrides(_tiny(**RESHARD_SETS), ["mesh=meshes/cpu_8.yaml"])
+  loop.train(cfg, str(tmp_path), progress=False, report=False)
+  results = {"cpu_8": loop.evaluate_checkpoint(cfg, str(tmp_path))}
+  for mesh in ("cpu_1", "cpu_16_5d"):
+    results[mesh] = _eval_on(mesh, tmp_path)
+  ref = results["cpu_8"]
+  assert ref["step"] == 4 and ref["devices"] == 8 and ref["tasks"]["click"]["count"] == 2048
+  for mesh, got in results.items():
+    assert got["mesh"] == mesh and got["step"] == 4 and not got["checkpoint_fallbacks"]
+    # Every leaf restored bit for bit on every layout (the integrity hashes do not depend on the mesh) ...
+    assert got["state_fingerprint"] == ref["state_fingerprint"], mesh
+    # ... so the metrics differ only by the order of the forward pass's additions on each mesh.
+    for task, metrics in ref["tasks"].items():
+      for name, value in metrics.items():
+        assert got["tasks"][task][name] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (mesh, task, name)
