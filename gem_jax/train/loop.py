@@ -2,10 +2,13 @@
 
 It never blocks the host on the step it just dispatched: step N's metrics are fetched after step N + 1
 has been dispatched. It writes into `out_dir`:
-  metrics.jsonl   one JSON record per logged train step and per evaluation
-  checkpoints/    orbax checkpoints (train state + data iterator state), every train.checkpoint_every
+  metrics.jsonl   one JSON record per logged train step, per skipped (non-finite) step and per
+                  evaluation, and an "event" record per checkpoint fallback and non-finite restore / stop
+  checkpoints/    orbax checkpoints (train state with its RNG key, data iterator state, label and
+                  non-finite counts), every train.checkpoint_every; a corrupt one is moved to <step>.corrupt
   summary.json    steps, examples/s, and per task eval NE / AUC / calibration next to baseline_ne
-                  (predicting the training base rate) and optimal_ne (the planted model, synthetic data)
+                  (predicting the training base rate) and optimal_ne (the planted model, synthetic data);
+                  the skipped steps, non-finite restores and checkpoint fallbacks
   report.json     the efficiency report (gem_jax/observe/report.py, meter.py): model vs executed FLOPs,
                   padding waste, MFU/HFU, step time and its profiled breakdown, rank imbalance, comm bytes
                   by kind and mesh axis, memory by kind, compile time; local MFU and scaling efficiency
@@ -13,6 +16,10 @@ has been dispatched. It writes into `out_dir`:
   plots/          PNGs of loss, MFU and step time per step, imbalance, comm by axis, memory by kind
   profile/        the jax.profiler trace of a few steady steps (the report's compute/collective split)
 The report's table is printed at the end of the run.
+Faults: the config, mesh file and device count are checked (gem_jax/check.py) before anything is built;
+a streak of non-finite steps is handled per train.on_nonfinite (see _NonFiniteGuard); a resume takes the
+newest checkpoint that passes its integrity hashes. `evaluate_checkpoint` restores a run's checkpoint
+onto any mesh.
 In a multi-process run every process runs this same function on the same global batches (each places
 only its own data shards) and takes part in every checkpoint; only process 0 writes metrics.jsonl,
 summary.json and the progress bar, so the run folder looks like that of a single-process run.
