@@ -101,9 +101,13 @@ class _Poisoned:
     self.inner.set_state(state)
 
 
+_MAKE_ITERATOR = pipeline.make_iterator
+
+
 def _poison(monkeypatch, bad_steps):
-  real = pipeline.make_iterator
-  monkeypatch.setattr(pipeline, "make_iterator", lambda *a, **k: _Poisoned(iter(real(*a, **k)), bad_steps))
+  """The next train() reads NaN features at `bad_steps` (replacing any earlier poisoning)."""
+  monkeypatch.setattr(pipeline, "make_iterator",
+                      lambda *a, **k: _Poisoned(iter(_MAKE_ITERATOR(*a, **k)), bad_steps))
 
 
 def _records(out_dir):
@@ -144,6 +148,10 @@ def test_stop_policy_and_too_many_restores_end_the_run(tmp_path, monkeypatch):
                                                 r"\(train.on_nonfinite=stop\); last checkpoint: step 8"):
     loop.train(_tiny(**{"train.on_nonfinite": "stop"}), str(tmp_path / "stop"), progress=False, report=False)
   assert any(r.get("event") == "nonfinite_stop" for r in _records(tmp_path / "stop"))
+  _poison(monkeypatch, {2, 3, 4})  # nothing saved before the streak: nothing to go back to
+  with pytest.raises(loop.NonFiniteError, match=r"\(2\.\.4.*no checkpoint from before step 2 to restore "
+                                                r"\(steps on disk: \[4\]\)"):
+    loop.train(_tiny(), str(tmp_path / "early"), progress=False, report=False)
   _poison(monkeypatch, set(range(6, 17)))  # restored once at step 9, then 10..12 in a row again
   with pytest.raises(loop.NonFiniteError, match=r"\(10\.\.12.*already restored 1 times"):
     loop.train(_tiny(**{"train.max_nonfinite_restores": 1, "train.steps": 16}), str(tmp_path / "again"),

@@ -5,6 +5,8 @@ moves embeddings with all-to-all and never gathers a table, and that its paramet
 volume the placement implies. The 16-device mesh and 20-step trajectories are in test_mesh_sweep.py.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -70,6 +72,24 @@ def test_mesh_step_computes_the_one_device_function(setup):
   ref = dict(jax.tree_util.tree_leaves_with_path(setup["ref_params"]))
   for path, value in flat:
     np.testing.assert_allclose(value, ref[path], rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_mesh_step_skips_a_non_finite_batch(setup):
+  """The guard on the mesh: a NaN in one data shard's dense features makes the global loss NaN, and the
+  sharded params and optimizer state come back bit for bit unchanged."""
+  run, compiled = setup["run"], setup["compiled"]
+  assert all(int(m["nonfinite"]) == 0 for m in setup["metrics"])
+  batch = setup["batches"][0]
+  dense = np.array(batch.dense_BxG)
+  dense[5, 0] = np.nan
+  poisoned = run.device_batch(dataclasses.replace(batch, dense_BxG=dense))
+  state = spmd.place_state(setup["fresh"]()[2], run.plan)   # run.state went to the fixture's steps
+  before = jax.device_get(jax.tree_util.tree_leaves((state.params, state.opt_state)))
+  state, m = compiled(state, poisoned)
+  assert int(m["nonfinite"]) == 1 and not np.isfinite(float(m["loss"]))
+  after = jax.device_get(jax.tree_util.tree_leaves((state.params, state.opt_state)))
+  assert all(np.array_equal(a, b) for a, b in zip(before, after))
+  assert int(state.step) == 1
 
 
 def test_placement(setup):

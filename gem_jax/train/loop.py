@@ -290,7 +290,14 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
                 f"already restored {len(guard.restores)} times (train.max_nonfinite_restores)")
       raise NonFiniteError(f"{what}; stopping ({reason}); last checkpoint: step {ckpt.latest_step()} in "
                            f"{ckpt.directory}")
-    restored_step, restored, _ = ckpt.restore(abstract_state=run.abstract_state(), max_step=first - 1)
+    try:
+      restored_step, restored, _ = ckpt.restore(abstract_state=run.abstract_state(), max_step=first - 1)
+    except FileNotFoundError:
+      ckpt.wait()
+      log.write({"event": "nonfinite_stop", "step": s, "streak": [first, s]})
+      log.close()
+      raise NonFiniteError(f"{what}; no checkpoint from before step {first} to restore (steps on disk: "
+                           f"{ckpt.all_steps()}); stopping") from None
     # Keep the batch count and the key: the run goes on with new data, not a replay of the bad batches.
     state = TrainState(restored.params, restored.opt_state, state.step, state.rng)
     record = {"at_step": step_batches, "streak": [first, s], "restored_step": restored_step,
