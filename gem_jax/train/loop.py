@@ -223,12 +223,12 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
   ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), keep=tc.keep_checkpoints,
                       save_every=tc.checkpoint_every)
   start_step, positives, seen = 0, np.zeros(len(spec.tasks)), np.zeros(len(spec.tasks))
-  resumed_faults = [], []
+  guard = _NonFiniteGuard(tc)
   if resume and ckpt.latest_step() is not None:
     start_step, state, extra = ckpt.restore(abstract_state=run.abstract_state())
     train_iter.set_state(extra["data"])
     positives, seen = np.asarray(extra["label_positives"]), np.asarray(extra["label_counts"])
-    resumed_faults = extra.get("nonfinite_skipped", []), extra.get("nonfinite_restores", [])
+    guard.skipped, guard.restores = extra["nonfinite_skipped"], extra["nonfinite_restores"]
   elif ckpt.latest_step() is not None:
     raise FileExistsError(f"{out_dir} already holds checkpoints (last step {ckpt.latest_step()}): pass "
                           "--resume to continue that run, or choose another --out")
@@ -263,8 +263,6 @@ def train(cfg: Config, out_dir: str, *, resume: bool = False, progress: bool = T
   programs: dict[tuple, list] = {}  # batch shapes -> [compiled step, steps run]
   model_flops, examples, history_tokens = 0.0, 0, 0  # over the batches of this run (real rows only)
 
-  guard = _NonFiniteGuard(tc)
-  guard.skipped, guard.restores = list(resumed_faults[0]), list(resumed_faults[1])
 
   def drain(pending) -> tuple[int, dict]:
     step, dev_metrics = pending
