@@ -32,3 +32,26 @@ def like(init, *refs):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree_util.tree_map(cast, init)
+
+
+def sum_to(x, ref):
+  """x summed (psum) over the mesh axes it varies over and `ref` does not: the cotangent of an input that
+  a custom_vjp's forward implicitly broadcast to more axes (JAX's own rules transpose that broadcast into
+  this sum; a custom backward must do it itself). Outside shard_map this is a no-op."""
+  extra = tuple(sorted(varying_axes(x) - varying_axes(ref)))
+  return jax.lax.psum(x, extra) if extra else x
+
+
+def shape_dtype(shape, dtype, *refs) -> jax.ShapeDtypeStruct:
+  """A pallas_call out_shape varying over every mesh axis any of `refs` varies over: inside
+  `shard_map(check_vma=True)` an output type must say it. A plain ShapeDtypeStruct outside shard_map.
+  jax 0.10 and 0.11 take `manual_axis_type=` (an object built like the refs' own), older releases `vma=`."""
+  axes = frozenset().union(*(varying_axes(r) for r in jax.tree_util.tree_leaves(refs)))
+  if not axes:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  aval = jax.typeof(next(r for r in jax.tree_util.tree_leaves(refs) if varying_axes(r)))
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=type(mat)(varying=axes))
+  return jax.ShapeDtypeStruct(shape, dtype, vma=axes)
+

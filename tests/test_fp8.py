@@ -206,3 +206,31 @@ def test_pallas_impl_runs_all_three_gemms_like_the_emulation(recipe):
   for name, a, b in zip(("y", "dx", "dw"), got, want):
     scale = float(jnp.max(jnp.abs(b)))
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=scale * 100 * 2.0 ** -22, err_msg=name)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "rowwise", "mxfp8"])
+def test_gradients_inside_shard_map_sum_over_the_axes_an_operand_was_broadcast_on(recipe):
+  """In the SPMD step a batch activation (varying over the data axis only) meets a weight marked varying
+  over every axis; the forward broadcasts the activation, so its gradient must be summed over the other
+  axis (before the fix the custom VJP's cotangent had the weight's axes and JAX refused it). Each data
+  shard quantizes its own rows, so the sharded gradients are the per-shard one-device gradients: dx shard by
+  shard, dw summed over the shards (data-parallel FP8 quantizes dw's contraction over the local batch)."""
+  from jax.sharding import PartitionSpec as P
+  x, w, _ = operands(m=64, k=64, n=32)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+
+  def local_loss(x_blk, w):
+    w = jax.lax.pcast(w, ("data", "model"), to="varying")
+    y = fp8.matmul(x_blk, w, recipe)
+    # Each data shard's sum once: the model-axis devices hold copies.
+    return jax.lax.psum(jnp.sum(y * y), ("data", "model")) / 4
+
+  sharded = jax.shard_map(local_loss, mesh=mesh, in_specs=(P("data"), P()), out_specs=P())
+  got_dx, got_dw = jax.jit(jax.grad(sharded, argnums=(0, 1)))(x, w)
+  one = jax.jit(jax.grad(lambda x, w: jnp.sum(fp8.matmul(x, w, recipe) ** 2), argnums=(0, 1)))
+  per_shard = [one(x_s, w) for x_s in jnp.split(x, 2)]
+  want_dx = jnp.concatenate([dx for dx, _ in per_shard])
+  want_dw = per_shard[0][1] + per_shard[1][1]
+  for name, a, b in (("dx", got_dx, want_dx), ("dw", got_dw, want_dw)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))),
+                               err_msg=name)

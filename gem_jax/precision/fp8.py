@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from gem_jax.precision import mx
+from pallas_kernels import vma
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 MAX_NORMAL = {E4M3: 448.0, E5M2: 57344.0}
@@ -219,6 +220,11 @@ def _matmul_bwd(recipe_name, impl, residuals, g_MxN):
   x_along_m, w_along_n, (x_dt, w_dt) = residuals
   dx_MxK = gemm(quantize(g_MxN, 1, recipe, "grad"), _transpose(w_along_n, recipe), recipe, impl)
   dw_KxN = gemm(_transpose(x_along_m, recipe), quantize(g_MxN, 0, recipe, "grad"), recipe, impl)
+  # Under shard_map an operand that varies over fewer mesh axes than the other (a batch activation
+  # against a weight that is varying everywhere) was broadcast in the forward; its cotangent is the sum
+  # over those axes. The residuals carry each operand's own axes.
+  dx_MxK = vma.sum_to(dx_MxK, x_along_m[0])
+  dw_KxN = vma.sum_to(dw_KxN, w_along_n[0])
   return dx_MxK.astype(x_dt.dtype), dw_KxN.astype(w_dt.dtype)
 
 

@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from gem_jax.precision import mx
+from pallas_kernels import vma
 
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _MIN_TILE_MN = 16
@@ -153,7 +154,7 @@ def _gemm_call(kernel, a_MpxKp, sa_MpxS, b_KpxNp, sb_SxNp, bm: int, bn: int, nam
   return pl.pallas_call(
       kernel, grid=(mp // bm, np_ // bn), in_specs=in_specs,
       out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
+      out_shape=vma.shape_dtype((mp, np_), jnp.float32, a_MpxKp, sa_MpxS, b_KpxNp, sb_SxNp),
       # Triton by name: without it jax >= 0.10 lowers pallas_call to Mosaic GPU on NVIDIA.
       # 8 warps from 128 x 128 tiles keep the f32 accumulator and dequantized tiles out of local memory.
       compiler_params=pl_triton.CompilerParams(num_warps=8 if bm * bn >= 128 * 128 else 4,

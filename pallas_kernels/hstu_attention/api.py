@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import vma
 from pallas_kernels.hstu_attention import pallas as hstu_pallas
 from pallas_kernels.hstu_attention.config import HSTUBlockConfig
 
@@ -81,8 +82,12 @@ def _attention_bwd(s, block, interpret, residuals, do_TxHxDv):
     dbias_HxR = dbias_HxR.astype(bias_HxR.dtype)
   # Integer inputs (offsets, targets) get float0 zero cotangents.
   int_zero = lambda x: np.zeros(x.shape, jax.dtypes.float0)
-  return (_unpad(dq, owned_T), _unpad(dk, owned_T), _unpad(dv, owned_T), dbias_HxR,
-          int_zero(offsets_Bp1), int_zero(targets_B))
+  # Under shard_map each cotangent takes its input's varying axes (summed over the ones the kernel's
+  # operands added, e.g. the batch axes of the offsets).
+  grads = [vma.sum_to(_unpad(g, owned_T), x) for g, x in ((dq, q), (dk, k), (dv, v))]
+  if dbias_HxR is not None:
+    dbias_HxR = vma.sum_to(dbias_HxR, bias_HxR)
+  return (*grads, dbias_HxR, int_zero(offsets_Bp1), int_zero(targets_B))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

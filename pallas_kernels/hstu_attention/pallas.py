@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from pallas_kernels import vma
 from pallas_kernels.hstu_attention import masks
 
 _MAX_BUCKET_DISTANCE = 1 << 15  # must match reference.relative_position_bucket
@@ -308,7 +309,7 @@ def hstu_attention_fwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, offsets_Bp, targets
   return pl.pallas_call(
       lambda *refs: _fwd_kernel(*refs, s=s), grid=grid, in_specs=specs,
       out_specs=_slab_spec(v_TpxHxDv.shape),
-      out_shape=jax.ShapeDtypeStruct(v_TpxHxDv.shape, v_TpxHxDv.dtype),
+      out_shape=vma.shape_dtype(v_TpxHxDv.shape, v_TpxHxDv.dtype, *operands),
       compiler_params=_compiler_params(s, num_stages=3), interpret=interpret,
       name="hstu_attention_fwd")(*operands)
 
@@ -326,18 +327,18 @@ def hstu_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, offsets
       lambda *refs: _dq_kernel(*refs, s=s),
       grid=(num_rows, num_heads, _cdiv(s.max_seq_len, s.block_q)), in_specs=specs,
       out_specs=_slab_spec(q_TpxHxD.shape),
-      out_shape=jax.ShapeDtypeStruct(q_TpxHxD.shape, q_TpxHxD.dtype),
+      out_shape=vma.shape_dtype(q_TpxHxD.shape, q_TpxHxD.dtype, *operands),
       compiler_params=_compiler_params(s, num_stages=2), interpret=interpret,
       name="hstu_attention_dq")(*operands)
 
   num_kb = _cdiv(s.max_seq_len, s.block_k)
   out_specs = [_slab_spec(k_TpxHxD.shape), _slab_spec(v_TpxHxDv.shape)]
-  out_shape = [jax.ShapeDtypeStruct(k_TpxHxD.shape, k_TpxHxD.dtype),
-               jax.ShapeDtypeStruct(v_TpxHxDv.shape, v_TpxHxDv.dtype)]
+  out_shape = [vma.shape_dtype(k_TpxHxD.shape, k_TpxHxD.dtype, *operands),
+               vma.shape_dtype(v_TpxHxDv.shape, v_TpxHxDv.dtype, *operands)]
   if s.segments:
     num_seg = pl.next_power_of_2(len(s.segments))
     out_specs.append(pl.BlockSpec((None, None, None, num_seg), lambda b, h, i: (b, h, i, 0)))
-    out_shape.append(jax.ShapeDtypeStruct((num_rows, num_heads, num_kb, num_seg), jnp.float32))
+    out_shape.append(vma.shape_dtype((num_rows, num_heads, num_kb, num_seg), jnp.float32, *operands))
   outs = pl.pallas_call(
       lambda *refs: _dkv_kernel(*refs, s=s), grid=(num_rows, num_heads, num_kb), in_specs=specs,
       out_specs=out_specs, out_shape=out_shape, compiler_params=_compiler_params(s, num_stages=2),

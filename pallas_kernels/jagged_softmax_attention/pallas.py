@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from pallas_kernels import vma
 from pallas_kernels.hstu_attention import api as hstu_api
 from pallas_kernels.hstu_attention import pallas as hp
 from pallas_kernels.hstu_attention.config import HSTUBlockConfig
@@ -165,8 +166,8 @@ def softmax_attention_fwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, offsets_Bp, targ
       functools.partial(_fwd_kernel, s=s),
       grid=(num_rows, q_TpxHxD.shape[1], hp._cdiv(s.max_seq_len, s.block_q)), in_specs=specs,
       out_specs=[hp._slab_spec(v_TpxHxDv.shape), _stat_spec(lse_shape)],
-      out_shape=[jax.ShapeDtypeStruct(v_TpxHxDv.shape, v_TpxHxDv.dtype),
-                 jax.ShapeDtypeStruct(lse_shape, jnp.float32)],
+      out_shape=[vma.shape_dtype(v_TpxHxDv.shape, v_TpxHxDv.dtype, *operands),
+                 vma.shape_dtype(lse_shape, jnp.float32, *operands)],
       compiler_params=hp._compiler_params(s, num_stages=3), interpret=interpret,
       name="jagged_softmax_attention_fwd")(*operands)
 
@@ -183,15 +184,15 @@ def softmax_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, lse_
       functools.partial(_dq_kernel, s=s),
       grid=(num_rows, num_heads, hp._cdiv(s.max_seq_len, s.block_q)), in_specs=specs,
       out_specs=hp._slab_spec(q_TpxHxD.shape),
-      out_shape=jax.ShapeDtypeStruct(q_TpxHxD.shape, q_TpxHxD.dtype),
+      out_shape=vma.shape_dtype(q_TpxHxD.shape, q_TpxHxD.dtype, *operands),
       compiler_params=hp._compiler_params(s, num_stages=2), interpret=interpret,
       name="jagged_softmax_attention_dq")(*operands)
   dk_TpxHxD, dv_TpxHxDv = pl.pallas_call(
       functools.partial(_dkv_kernel, s=s),
       grid=(num_rows, num_heads, hp._cdiv(s.max_seq_len, s.block_k)), in_specs=specs,
       out_specs=[hp._slab_spec(k_TpxHxD.shape), hp._slab_spec(v_TpxHxDv.shape)],
-      out_shape=[jax.ShapeDtypeStruct(k_TpxHxD.shape, k_TpxHxD.dtype),
-                 jax.ShapeDtypeStruct(v_TpxHxDv.shape, v_TpxHxDv.dtype)],
+      out_shape=[vma.shape_dtype(k_TpxHxD.shape, k_TpxHxD.dtype, *operands),
+                 vma.shape_dtype(v_TpxHxDv.shape, v_TpxHxDv.dtype, *operands)],
       compiler_params=hp._compiler_params(s, num_stages=2), interpret=interpret,
       name="jagged_softmax_attention_dkv")(*operands)
   return dq_TpxHxD, dk_TpxHxD, dv_TpxHxDv
@@ -230,8 +231,10 @@ def _attention_bwd(s, block, interpret, residuals, do_TxHxDv):
   owned_T = hstu_api._owned_mask_T(offsets_Bp1, q.shape[0], s.max_seq_len)
   # Integer inputs (offsets, targets) get float0 zero cotangents.
   int_zero = lambda x: np.zeros(x.shape, jax.dtypes.float0)
-  return (hstu_api._unpad(dq, owned_T), hstu_api._unpad(dk, owned_T), hstu_api._unpad(dv, owned_T),
-          int_zero(offsets_Bp1), int_zero(targets_B))
+  # Under shard_map each cotangent takes its input's varying axes (summed over the ones the kernel's
+  # operands added, e.g. the batch axes of the offsets).
+  grads = (vma.sum_to(hstu_api._unpad(g, owned_T), x) for g, x in ((dq, q), (dk, k), (dv, v)))
+  return (*grads, int_zero(offsets_Bp1), int_zero(targets_B))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
