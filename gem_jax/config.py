@@ -2,8 +2,8 @@
 
   Config(name, model: ModelConfig, data: DataConfig(spec, synthetic, pipeline), train: TrainConfig, mesh)
 
-Named configs are built by functions in gem_jax/configs.py. `override(cfg, "train.steps", "200")` sets one
-nested field from a string (the `--set` flag of experiments/train.py); an unknown key, a value that does
+Named configs are built by functions in gem_jax/configs.py. `apply_overrides(cfg, ["train.steps=200"])` sets
+nested fields from strings (the `--set` flag of experiments/train.py); an unknown key, a value that does
 not parse (tuple elements included) or one its dataclass rejects raises a ValueError naming the key, before
 anything is compiled. Checks across fields, against the mesh file and the devices are in gem_jax/check.py.
 """
@@ -81,32 +81,57 @@ def _parse_tuple(value: str, typ, key: str) -> tuple:
   return tuple(out)
 
 
-def override(cfg, key: str, value: str, *, _prefix: str = ""):
-  """Returns cfg with the dotted field `key` (e.g. "model.hstu.num_heads") set from the string `value`.
-  Errors name the whole key (`_prefix` is the part above `cfg` in the recursion)."""
-  head, _, tail = key.partition(".")
-  full = _prefix + key
-  if not dataclasses.is_dataclass(cfg):
-    raise ValueError(f"--set {full}: {_prefix[:-1]} is not a config section (it holds a {type(cfg).__name__})")
-  fields = {f.name: f for f in dataclasses.fields(cfg)}
-  if head not in fields:
-    raise ValueError(f"--set {full}: unknown key {head!r} in {type(cfg).__name__}; known: {sorted(fields)}")
-  current = getattr(cfg, head)
-  if tail:
-    return dataclasses.replace(cfg, **{head: override(current, tail, value, _prefix=f"{_prefix}{head}.")})
-  hints = typing.get_type_hints(type(cfg))
-  return dataclasses.replace(cfg, **{head: _parse(value, hints[head], full)})
-
-
 def apply_overrides(cfg: Config, assignments: list[str]) -> Config:
+  """cfg with every "dotted.key=value" of `assignments` set. They are applied together, one
+  dataclasses.replace per config section, so a change that needs two fields at once (model.num_layers
+  with model.hstu.keep_last) is checked only once both are set; a later assignment of the same key wins.
+  Errors name the key (or, for a check across fields, the assignments of that section)."""
+  tree: dict = {}
   for a in assignments:
     if "=" not in a:
       raise ValueError(f"--set expects key=value, got {a!r}")
-    key, value = a.split("=", 1)
-    try:
-      cfg = override(cfg, key.strip(), value.strip())
-    except ValueError as e:  # a config's own check (__post_init__) names the field, not the flag
-      if str(e).startswith("--set"):
-        raise
-      raise ValueError(f"--set {a}: {e}") from e
-  return cfg
+    key, value = (x.strip() for x in a.split("=", 1))
+    node, parts = tree, key.split(".")
+    for i, part in enumerate(parts[:-1]):
+      node = node.setdefault(part, {})
+      if not isinstance(node, dict):
+        raise ValueError(f"--set {key}: {'.'.join(parts[:i + 1])} is set as a value and as a section")
+    if isinstance(node.get(parts[-1]), dict):
+      raise ValueError(f"--set {key}: {key} is set as a value and as a section")
+    node[parts[-1]] = (value, a)
+  return _apply(cfg, tree, "")
+
+
+def _leaves(tree: dict) -> list[str]:
+  """The assignments (as written) under a tree of overrides."""
+  return [x for v in tree.values() for x in (_leaves(v) if isinstance(v, dict) else [v[1]])]
+
+
+def _first_key(sub, full: str) -> str:
+  while isinstance(sub, dict):
+    head, sub = next(iter(sub.items()))
+    full = f"{full}.{head}"
+  return full
+
+
+def _apply(cfg, tree: dict, prefix: str):
+  """cfg (a config section) with the overrides of `tree` ({field: (value, assignment) or subtree})."""
+  if not dataclasses.is_dataclass(cfg):
+    raise ValueError(f"--set {_first_key(tree, prefix[:-1])}: {prefix[:-1]} is not a config section (it holds a "
+                     f"{type(cfg).__name__})")
+  fields = {f.name for f in dataclasses.fields(cfg)}
+  hints = typing.get_type_hints(type(cfg))
+  changes = {}
+  for head, sub in tree.items():
+    full = prefix + head
+    if head not in fields:
+      raise ValueError(f"--set {_first_key(sub, full)}: unknown key {head!r} in {type(cfg).__name__}; known: "
+                       f"{sorted(fields)}")
+    changes[head] = (_apply(getattr(cfg, head), sub, full + ".") if isinstance(sub, dict)
+                     else _parse(sub[0], hints[head], full))
+  try:
+    return dataclasses.replace(cfg, **changes)
+  except ValueError as e:  # a section's own check (__post_init__) names the field, not the flag
+    if str(e).startswith("--set"):
+      raise
+    raise ValueError(f"--set {', '.join(_leaves(tree))}: {e}") from e

@@ -214,3 +214,14 @@ def test_tuple_overrides_take_the_element_type():
                                               "model.hstu.keep_last=16,8"])
   assert cfg.data.pipeline.history_bucket_fractions == (0.5, 1.0) and cfg.model.hstu.keep_last == (16, 8)
   assert all(type(f) is float for f in cfg.data.pipeline.history_bucket_fractions)
+
+
+def test_overrides_that_need_each_other_apply_together():
+  cfg = apply_overrides(configs.get("tiny"), ["model.num_layers=1", "model.hstu.keep_last=[32]"])
+  assert cfg.model.num_layers == 1 and cfg.model.hstu.keep_last == (32,)
+  with pytest.raises(ValueError, match=r"--set model\.num_layers=3, model\.hstu\.keep_last=\[32\]: "
+                                       r"model\.hstu\.keep_last has 1 entries for 3 layers"):
+    apply_overrides(configs.get("tiny"), ["model.num_layers=3", "model.hstu.keep_last=[32]"])
+  assert apply_overrides(configs.get("tiny"), ["train.steps=5", "train.steps=6"]).train.steps == 6
+  with pytest.raises(ValueError, match="set as a value and as a section"):
+    apply_overrides(configs.get("tiny"), ["train.steps=5", "train.steps.every=1"])
