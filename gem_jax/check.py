@@ -82,7 +82,7 @@ def check_synthetic(syn: SyntheticConfig) -> None:
 def check_model(model: ModelConfig) -> None:
   """The attention kernel must be one gem_jax.ops knows (else tracing the first step fails)."""
   impl = model.hstu.attn_impl
-  known = sorted(ops._HSTU_IMPLS)
+  known = list(ops.hstu_impls())
   if impl != "auto" and impl not in known:
     raise ConfigError(f"model.hstu.attn_impl={impl!r} is not an HSTU attention impl; known: {known} or 'auto'")
 

@@ -3,7 +3,7 @@
   "xla"     pure jnp/lax, runs on every backend (the CPU default)
   "reference" the pure-jnp spec (pads to B x N x N)
   "pallas"  Pallas kernel (Triton-lowered on GPU; interpret mode elsewhere)
-  "triton"  jax-triton kernel (GPU only)                       -- the jagged-kernels issue
+  "triton"  jax-triton forward kernel (GPU only; its backward is the reference's)
   "auto"    pallas on GPU, xla elsewhere
 
 Model code calls these functions only; it never imports a kernel module directly.
@@ -54,6 +54,26 @@ def register_hstu_impl(name: str, fn: Callable) -> None:
 
 def register_softmax_impl(name: str, fn: Callable) -> None:
   _SOFTMAX_IMPLS[name] = fn
+
+
+def hstu_impls() -> tuple[str, ...]:
+  """The registered HSTU attention impls (what `impl=` accepts besides "auto"), sorted."""
+  return tuple(sorted(_HSTU_IMPLS))
+
+
+def softmax_impls() -> tuple[str, ...]:
+  """The registered jagged softmax attention impls, sorted."""
+  return tuple(sorted(_SOFTMAX_IMPLS))
+
+
+def hstu_impl(name: str) -> Callable:
+  """The HSTU attention function registered as `name` ("auto" resolved for this backend)."""
+  return _resolve(name, _HSTU_IMPLS, "hstu_attention")
+
+
+def softmax_impl(name: str) -> Callable:
+  """The jagged softmax attention function registered as `name` ("auto" resolved for this backend)."""
+  return _resolve(name, _SOFTMAX_IMPLS, "jagged_softmax_attention")
 
 
 def _resolve(impl: str, registry: dict[str, Callable], kernel: str) -> Callable:

@@ -83,16 +83,33 @@ def test_parity_step_memory():
 
 
 @pytest.mark.slow
-def test_fp8_bench_quick_checks_every_kernel_against_the_emulation(tmp_path):
-  out = tmp_path / "bench.json"
-  assert load("bench_fp8").main(["--quick", "--reps", "1", "--shape", "512x64x96", "--step-policies", "bf16,fp8",
-                                 "--out", str(out)]) == 0
-  records = json.loads(out.read_text())["records"]
-  gemm = [r for r in records if r["table"] == "gemm"]
+def test_fp8_bench_checks_every_kernel_against_the_emulation():
+  import numpy as np
+
+  from gem_jax.bench import fp8 as bench
+  rng = np.random.default_rng(0)
+  gemm = bench.bench_gemm(512, 64, 96, reps=1, rows=bench.gemm_impls(on_gpu=False), rng=rng)
   assert {(r["recipe"], r["impl"]) for r in gemm} >= {("bf16", "xla"), ("rowwise", "xla"), ("mxfp8", "emulate")}
-  for r in gemm:
-    assert "error" not in r, r
-    assert r["max_rel_err"] <= (0.0 if r["impl"] == "emulate" else 1e-5), r
-    assert r["tflops"] > 0 and r["speedup_vs_bf16"] > 0
+  records = bench.with_ratios(gemm + bench.bench_train_gemm(512, 64, 96, reps=1, rng=rng)
+                              + bench.bench_step("tiny", ["bf16", "fp8"], reps=1))
+  for r in records:
+    if r["table"] == "gemm":
+      assert r["error"] is None, r
+      assert r["max_rel_err"] <= (0.0 if r["impl"] == "emulate" else 1e-5), r
+      assert r["tflops"] > 0 and r["speedup_vs_bf16"] > 0
   assert {r["policy"] for r in records if r["table"] == "step"} == {"bf16", "fp8"}
   assert all(r["median_ms"] > 0 for r in records if r["table"] in ("train", "step"))
+
+
+@pytest.mark.parametrize("recipe,impl", [("rowwise", "xla"), ("rowwise", "pallas"), ("mxfp8", "pallas")])
+def test_gemm_check_passes_kernels_and_fails_a_wrong_scale(recipe, impl, monkeypatch):
+  import numpy as np
+
+  from gem_jax.bench import fp8 as bench
+  from gem_jax.precision import fp8
+  rec = bench.check_gemm(40, 96, 48, recipe, impl, np.random.default_rng(0))
+  assert rec["error"] is None and rec["passed"] and 0 <= rec["bound_ratio"] <= 1.0, rec
+  # A kernel 1% off (a scale applied slightly wrong) is far outside the summation bound.
+  real = fp8.gemm
+  monkeypatch.setattr(fp8, "gemm", lambda a, b, r, i: real(a, b, r, i) * (1.0 if i == "emulate" else 1.01))
+  assert not bench.check_gemm(40, 96, 48, recipe, impl, np.random.default_rng(0))["passed"]

@@ -10,53 +10,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import conformance
 from pallas_kernels.hstu_attention import api
 from pallas_kernels.hstu_attention import pallas as hstu_pallas
 from pallas_kernels.hstu_attention import reference
 from pallas_kernels.hstu_attention.config import CPU_TEST_BLOCKS, HSTUBlockConfig
-from tests.kernel_helpers import max_rel_err as _max_rel_err
 
-TAIL = 3  # token slots past offsets[B]
-
-# name: (lengths, N, D, Dv, R or 0, attention kwargs)
-CASES = {
-    "plain_d32": ([0, 1, 19], 24, 32, 32, 0, {}),
-    "targets_window_bias_d64": ([11, 0, 24], 24, 64, 32, 16,
-                                {"num_targets": [3, 0, 2], "max_attn_len": 5}),
-    "contextual_targets_bias": ([17, 1, 6], 20, 32, 32, 8,
-                                {"num_targets": [2, 0, 1], "contextual_seq_len": 3}),
-    "contextual_window_d64": ([0, 25, 9], 32, 64, 64, 0, {"contextual_seq_len": 2, "max_attn_len": 4}),
-    "noncausal_bias": ([5, 0, 12], 16, 32, 32, 6, {"causal": False}),
-    "targets_d128": ([9, 1, 13], 16, 128, 128, 8, {"num_targets": [1, 1, 2]}),
-}
+TAIL = conformance.TAIL
+CASES = conformance.HSTU_CASES
 
 
 def _inputs(case, dtype, seed=0):
-  lengths, n, d, dv, r, kwargs = CASES[case]
-  rng = np.random.default_rng(seed)
-  offsets_Bp1 = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-  capacity = int(offsets_Bp1[-1]) + TAIL
-  heads = 2
-  q, k = (jnp.asarray(rng.normal(size=(capacity, heads, d)), dtype) for _ in range(2))
-  v = jnp.asarray(rng.normal(size=(capacity, heads, dv)), dtype)
-  bias = jnp.asarray(rng.normal(size=(heads, r)), jnp.float32) if r else None
-  cot = jnp.asarray(rng.normal(size=(capacity, heads, dv)), jnp.float32)
-  kwargs = dict(kwargs, max_seq_len=n, alpha=0.7)
-  if "num_targets" in kwargs:
-    kwargs["num_targets"] = jnp.asarray(kwargs["num_targets"], jnp.int32)
-  return (q, k, v, bias), offsets_Bp1, cot, kwargs
+  return conformance.inputs("hstu", case, dtype, seed)
 
 
-def _value_and_grads(fn, args, offsets_Bp1, cot, kwargs):
-  """(out, grads of sum(out * cot) w.r.t. q, k, v and, when present, rel_bias), jitted."""
-  argnums = (0, 1, 2, 3) if args[3] is not None else (0, 1, 2)
-
-  def loss(q, k, v, bias):
-    out = fn(q, k, v, offsets_Bp1, rel_bias_HxR=bias, **kwargs)
-    return jnp.sum(out.astype(jnp.float32) * cot), out
-
-  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*args)
-  return out, grads
+_value_and_grads = conformance.value_and_grads
 
 
 pallas_fn = functools.partial(api.hstu_attention, block=CPU_TEST_BLOCKS, interpret=True)
@@ -68,14 +36,14 @@ def test_f32_forward_and_grads_match_reference(case):
   want_out, want_grads = _value_and_grads(reference.hstu_attention, args, offsets_Bp1, cot, kwargs)
   got_out, got_grads = _value_and_grads(pallas_fn, args, offsets_Bp1, cot, kwargs)
   assert float(jnp.max(jnp.abs(want_out))) > 0
-  assert _max_rel_err(got_out, want_out) <= 1e-5
+  assert conformance.max_rel_err(got_out, want_out) <= 1e-5
   np.testing.assert_array_equal(np.asarray(got_out[-TAIL:]), 0.0)
   for name, got, want in zip("qkvb", got_grads, want_grads):
     assert got.shape == want.shape and got.dtype == want.dtype, name
-    assert _max_rel_err(got, want) <= 1e-5, name
+    assert conformance.max_rel_err(got, want) <= 1e-5, name
 
 
-@pytest.mark.parametrize("case", ["targets_window_bias_d64", "contextual_targets_bias"])
+@pytest.mark.parametrize("case", conformance.BF16_CASES["hstu"])
 def test_bf16_forward_and_grads_match_f32_reference(case):
   args, offsets_Bp1, cot, kwargs = _inputs(case, jnp.bfloat16)
   # The f32 reference on the same (bf16-rounded) inputs is the target the bf16 kernel approximates.
@@ -83,9 +51,9 @@ def test_bf16_forward_and_grads_match_f32_reference(case):
   want_out, want_grads = _value_and_grads(reference.hstu_attention, args_f32, offsets_Bp1, cot, kwargs)
   got_out, got_grads = _value_and_grads(pallas_fn, args, offsets_Bp1, cot, kwargs)
   assert got_out.dtype == jnp.bfloat16
-  assert _max_rel_err(got_out, want_out) <= 2e-2
+  assert conformance.max_rel_err(got_out, want_out) <= 2e-2
   for name, got, want in zip("qkvb", got_grads, want_grads):
-    assert _max_rel_err(got, want) <= 2e-2, name
+    assert conformance.max_rel_err(got, want) <= 2e-2, name
 
 
 def test_masked_out_keys_never_change_outputs():

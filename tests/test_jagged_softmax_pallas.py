@@ -12,49 +12,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import conformance
 from pallas_kernels.hstu_attention.config import CPU_TEST_BLOCKS
 from pallas_kernels.jagged_softmax_attention import pallas as softmax_pallas
 from pallas_kernels.jagged_softmax_attention import reference
-from tests.kernel_helpers import max_rel_err as _max_rel_err
 
-TAIL = 3      # token slots past offsets[B]
-HEADS = 2
-SCALE = 0.3
-
-# name: (lengths, N, D, Dv, attention kwargs)
-CASES = {
-    "plain_d32": ([0, 1, 19], 24, 32, 32, {}),
-    "targets_window_d64": ([11, 0, 24], 24, 64, 32, {"num_targets": [3, 0, 2], "max_attn_len": 5}),
-    "contextual_targets": ([17, 1, 6], 20, 32, 32, {"num_targets": [2, 0, 1], "contextual_seq_len": 3}),
-    "contextual_window_d64": ([0, 29, 9], 32, 64, 64, {"contextual_seq_len": 2, "max_attn_len": 4}),
-    "noncausal": ([5, 0, 12], 16, 32, 16, {"causal": False}),
-    "targets_d128": ([9, 1, 13], 16, 128, 128, {"num_targets": [1, 1, 2]}),
-}
+TAIL = conformance.TAIL
+CASES = conformance.SOFTMAX_CASES
 
 
 def _inputs(case, dtype, seed=0):
-  lengths, n, d, dv, kwargs = CASES[case]
-  rng = np.random.default_rng(seed)
-  offsets_Bp1 = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-  capacity = int(offsets_Bp1[-1]) + TAIL
-  q, k = (jnp.asarray(rng.normal(size=(capacity, HEADS, d)), dtype) for _ in range(2))
-  v = jnp.asarray(rng.normal(size=(capacity, HEADS, dv)), dtype)
-  cot = jnp.asarray(rng.normal(size=(capacity, HEADS, dv)), jnp.float32)
-  kwargs = dict(kwargs, max_seq_len=n, scale=SCALE)
-  if "num_targets" in kwargs:
-    kwargs["num_targets"] = jnp.asarray(kwargs["num_targets"], jnp.int32)
-  return (q, k, v), offsets_Bp1, cot, kwargs
+  return conformance.inputs("softmax", case, dtype, seed)
 
 
-def _value_and_grads(fn, args, offsets_Bp1, cot, kwargs):
-  """(out, grads of sum(out * cot) w.r.t. q, k, v), jitted."""
-
-  def loss(q, k, v):
-    out = fn(q, k, v, offsets_Bp1, **kwargs)
-    return jnp.sum(out.astype(jnp.float32) * cot), out
-
-  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
-  return out, grads
+_value_and_grads = conformance.value_and_grads
 
 
 pallas_fn = functools.partial(softmax_pallas.jagged_softmax_attention, block=CPU_TEST_BLOCKS, interpret=True)
@@ -67,16 +38,16 @@ def test_f32_forward_and_grads_match_reference(case):
   got_out, got_grads = _value_and_grads(pallas_fn, args, offsets_Bp1, cot, kwargs)
   assert float(jnp.max(jnp.abs(want_out))) > 0
   assert got_out.shape == want_out.shape and got_out.dtype == jnp.float32
-  assert _max_rel_err(got_out, want_out) <= 1e-5
+  assert conformance.max_rel_err(got_out, want_out) <= 1e-5
   np.testing.assert_array_equal(np.asarray(got_out[-TAIL:]), 0.0)
   for name, got, want in zip("qkv", got_grads, want_grads):
     assert got.shape == want.shape and got.dtype == want.dtype, name
     assert float(jnp.max(jnp.abs(want))) > 0, name
-    assert _max_rel_err(got, want) <= 1e-5, name
+    assert conformance.max_rel_err(got, want) <= 1e-5, name
     np.testing.assert_array_equal(np.asarray(got[-TAIL:]), 0.0)
 
 
-@pytest.mark.parametrize("case", ["targets_window_d64", "contextual_targets"])
+@pytest.mark.parametrize("case", conformance.BF16_CASES["softmax"])
 def test_bf16_forward_and_grads_match_f32_reference(case):
   args, offsets_Bp1, cot, kwargs = _inputs(case, jnp.bfloat16)
   # The f32 reference on the same (bf16-rounded) inputs is the target the bf16 kernel approximates.
@@ -85,10 +56,10 @@ def test_bf16_forward_and_grads_match_f32_reference(case):
                                           kwargs)
   got_out, got_grads = _value_and_grads(pallas_fn, args, offsets_Bp1, cot, kwargs)
   assert got_out.dtype == jnp.bfloat16
-  assert _max_rel_err(got_out, want_out) <= 2e-2
+  assert conformance.max_rel_err(got_out, want_out) <= 2e-2
   for name, got, want in zip("qkv", got_grads, want_grads):
     assert got.dtype == jnp.bfloat16, name
-    assert _max_rel_err(got, want) <= 2e-2, name
+    assert conformance.max_rel_err(got, want) <= 2e-2, name
 
 
 def test_rows_are_isolated():
@@ -119,4 +90,4 @@ def test_traced_offsets_and_targets_match_reference():
   targets_B = kwargs.pop("num_targets")
   got = jax.jit(lambda o, t: pallas_fn(q, k, v, o, num_targets=t, **kwargs))(offsets_Bp1, targets_B)
   want = reference.jagged_softmax_attention(q, k, v, offsets_Bp1, num_targets=targets_B, **kwargs)
-  assert _max_rel_err(got, want) <= 1e-5
+  assert conformance.max_rel_err(got, want) <= 1e-5

@@ -1,0 +1,41 @@
+"""Timing helpers shared by the benchmarks: medians of blocked calls, a measured GEMM peak, and the peak
+FLOP/s a device is judged against."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+# Datasheet peaks (dense, no sparsity) by device kind, the same numbers as the mesh files' hardware blocks.
+DATASHEET_PEAKS = {"H200": {"bf16": 9.89e14, "fp8": 1.979e15}, "H100": {"bf16": 9.89e14, "fp8": 1.979e15}}
+
+
+def median_ms(fn, *args, reps: int) -> float:
+  """Median milliseconds of fn(*args) over `reps` blocked calls, after one warm-up (compile) call."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return statistics.median(times) * 1e3
+
+
+def measured_gemm_peak(dtype, n: int, reps: int = 5) -> float:
+  """FLOP/s of one n x n x n matmul with f32 accumulation on the default device, median of `reps`."""
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+  mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+  return 2 * n ** 3 / (median_ms(mm, a, b, reps=reps) / 1e3)
+
+
+def datasheet_peak(kind: str = "bf16") -> float | None:
+  """The datasheet peak of this process's first device ("bf16" or "fp8"), None when it is not known."""
+  device_kind = jax.devices()[0].device_kind
+  for name, peaks in DATASHEET_PEAKS.items():
+    if name in device_kind:
+      return peaks[kind]
+  return None
