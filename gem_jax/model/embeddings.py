@@ -9,38 +9,25 @@ this only fires when validation was skipped, and then the loss says so). Jagged 
 offsets[B]) are masked to id 0 before the lookup, so whatever the pipeline wrote there is never read.
 
 Under SPMD (gem_jax/parallel/spmd.py) a device holds only its block of each table's rows; the step then
-installs a distributed lookup with `lookup_override`, and `lookup` routes every read through it. The
-model code stays the same on one device and on a mesh.
+installs a distributed lookup in the runtime (gem_jax/runtime.py: (table, rows, ids) -> rows), and
+`lookup` routes every read through it. The model code stays the same on one device and on a mesh. Every
+lookup call is also told to the runtime's recorder, which is how lookup capacities are derived.
 
 Letters: B batch, T jagged token capacity, V table rows, E embedding width, F history token fields.
 """
 
 from __future__ import annotations
 
-import contextvars
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax import jagged
+from gem_jax import jagged, runtime
 from gem_jax.data.spec import FeatureSpec
 from gem_jax.jagged import Jagged
-from gem_jax.model import layers
 from gem_jax.model.config import ModelConfig
 
 TABLE_AXES = ("table_rows", "table_dim")
-
-# (table name, the table variable's value as this trace sees it, ids) -> rows of shape ids.shape + (E,).
-LookupFn = Callable[[str, jax.Array, jax.Array], jax.Array]
-_LOOKUP: contextvars.ContextVar[LookupFn | None] = contextvars.ContextVar("gem_jax_lookup", default=None)
-
-
-def lookup_override(fn: LookupFn):
-  """Routes every EmbeddingCollection.lookup traced inside the block through `fn`."""
-  return layers.scoped(_LOOKUP, fn)
-
 
 class Table(nnx.Param):
   """An embedding table (V x E). The optimizer gives variables of this type row-wise Adagrad."""
@@ -66,7 +53,8 @@ class EmbeddingCollection(nnx.Module):
       raise KeyError(f"no embedding table {table!r}; tables: {sorted(self.tables)}")
     rows_VxE = self.tables[table][...]
     ids = jnp.asarray(ids, jnp.int32)
-    override = _LOOKUP.get()
+    runtime.record("lookup", table=table, ids=ids)
+    override = runtime.current().lookup
     if override is not None:
       out = override(table, rows_VxE, ids)
     else:

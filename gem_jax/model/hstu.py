@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax import ops
+from gem_jax import ops, runtime
 from gem_jax.jagged import Jagged
 from gem_jax.model.config import ModelConfig
 from gem_jax.model import layers
@@ -61,7 +61,7 @@ class HSTULayer(nnx.Module):
   def __call__(self, x: Jagged, num_targets_B=None, *, dropout_rng=None) -> Jagged:
     """x: Jagged(T x D) rows laid out as in the module docstring -> Jagged(T x D), same offsets.
     Padding slots of the output hold no meaning (callers read real tokens only)."""
-    cp = layers.current_context()
+    cp = runtime.current().context
     if cp is not None and cp.size > 1:
       return self._context_parallel(x, num_targets_B, cp, dropout_rng)
     values_TxD = x.values

@@ -12,72 +12,33 @@ names ("mlp", ...), is row parallel (a partial product, summed over the slices b
 bias). What lies between them must be per column (activations, per-head attention) or use a norm that
 sums its statistics with `tensor_sum` (LayerNorm(..., tensor_parallel=True)). A layer knows it holds a
 slice when its parameter is narrower than its declared size, so the same code runs whole on one device.
-`tensor_sum` is the identity until the SPMD step installs the real sum (`tensor_parallel`).
+`tensor_sum` is the identity until the SPMD step installs the real sum (gem_jax/runtime.py).
 
-Context parallelism: the SPMD step installs a `ContextParallel` (how many token slices, which one is this
-device's, and how to concatenate slices from all devices); the HSTU layer then works on its slice of the
-tokens and gathers keys, values and outputs (gem_jax/model/hstu.py). `current_context()` is None outside.
+Context parallelism: the SPMD step installs a `runtime.ContextParallel` (how many token slices, which one
+is this device's, and how to concatenate slices from all devices); the HSTU layer then works on its slice
+of the tokens and gathers keys, values and outputs (gem_jax/model/hstu.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
-from typing import Any, Callable, Iterator, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gem_jax import runtime
 from gem_jax.model.config import ModelConfig
 from gem_jax.precision import fp8, policy
 
 
-@contextlib.contextmanager
-def scoped(var: contextvars.ContextVar, value) -> Iterator[None]:
-  """`var` holds `value` inside the block (how the SPMD step installs its hooks while tracing)."""
-  token = var.set(value)
-  try:
-    yield
-  finally:
-    var.reset(token)
-
-
-_TENSOR_SUM: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("gem_jax_tensor_sum", default=None)
-
-
-def tensor_parallel(sum_fn: Callable):
-  """Inside the block, `tensor_sum` adds partial results over the tensor-parallel slices with `sum_fn`."""
-  return scoped(_TENSOR_SUM, sum_fn)
-
-
 def tensor_sum(x):
-  """Sum of x over the tensor-parallel slices (the identity when there are none)."""
-  fn = _TENSOR_SUM.get()
+  """Sum of x over the tensor-parallel slices (the identity when the runtime has none)."""
+  fn = runtime.current().tensor_sum
   if fn is None:
     return x
   with jax.named_scope("tensor_parallel"):
     return fn(x)
-
-
-@dataclasses.dataclass(frozen=True)
-class ContextParallel:
-  size: int                          # token slices
-  index: Callable[[], Any]           # () -> this device's slice index (traced int)
-  all_gather: Callable[[Any], Any]   # local slice (S x ...) -> every slice concatenated (size * S x ...)
-
-
-_CONTEXT: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar("gem_jax_context", default=None)
-
-
-def context_parallel(cp: ContextParallel):
-  """Inside the block, HSTU layers split their tokens as `cp` says."""
-  return scoped(_CONTEXT, cp)
-
-
-def current_context() -> ContextParallel | None:
-  return _CONTEXT.get()
 
 
 def dropout(x, rate: float, rng):

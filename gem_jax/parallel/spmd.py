@@ -44,10 +44,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from gem_jax import runtime
 from gem_jax.data.batch import Batch
 from gem_jax.data.spec import FeatureSpec
 from gem_jax.model import embeddings as embeddings_lib
-from gem_jax.model import layers
 from gem_jax.model.heads import loss_from_sums, multitask_sums
 from gem_jax.parallel import data as pdata
 from gem_jax.parallel import mesh as mesh_lib
@@ -211,14 +211,14 @@ def _tensor_sum(x):
 CP_AXIS = "context"
 
 
-def _context(mesh: Mesh) -> layers.ContextParallel:
+def _context(mesh: Mesh) -> runtime.ContextParallel:
   """Token slices over the context axis (a no-op for the model when the axis has size 1)."""
 
   def gather(x):
     with jax.named_scope("context_parallel"):
       return jax.lax.all_gather(x, CP_AXIS, axis=0, tiled=True)
 
-  return layers.ContextParallel(mesh.shape[CP_AXIS], lambda: jax.lax.axis_index(CP_AXIS), gather)
+  return runtime.ContextParallel(mesh.shape[CP_AXIS], lambda: jax.lax.axis_index(CP_AXIS), gather)
 
 
 def _forward(graphdef, rest, params, specs, batch: Batch, p: Plan, capacities, stats, dropout_rng=None):
@@ -245,8 +245,7 @@ def _forward(graphdef, rest, params, specs, batch: Batch, p: Plan, capacities, s
     return var.replace(value=_gather_param(var.get_value(), spec, active))
 
   full = jax.tree_util.tree_map(prepare, params, specs, is_leaf=_is_var)
-  with embeddings_lib.lookup_override(_lookup_fn(p, capacities, stats)), \
-       layers.tensor_parallel(_tensor_sum), layers.context_parallel(_context(p.mesh)):
+  with runtime.using(lookup=_lookup_fn(p, capacities, stats), tensor_sum=_tensor_sum, context=_context(p.mesh)):
     model = nnx.merge(graphdef, full, rest)
     return model(batch, dropout_rng=dropout_rng)
 

@@ -29,11 +29,10 @@ probe context is active.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import fnmatch
 
+from gem_jax import runtime
 from gem_jax.precision import fp8
 
 # MXFP8 with round-up scales: on the small config's sites the probe measured ~1.5 dB more SNR than
@@ -130,33 +129,24 @@ def flop_share(model, rows_by_site: dict[str, int] | None = None) -> dict[str, f
   return {k: v / total for k, v in sorted(by.items())}
 
 
-# --- probe interception ---------------------------------------------------------------------------------
+# --- probe interception (gem_jax/runtime.py holds the probe while a probe traces) --------------------------
 
-_PROBE = contextvars.ContextVar("gem_jax_precision_probe", default=None)
-
-
-@contextlib.contextmanager
 def probing(inputs: dict, taps: dict | None = None, swap: tuple | None = None):
   """While active, every Dense site stores its input in `inputs[site]` and adds `taps[site]` (when given)
   to its output, so the gradient w.r.t. a zero tap is dL/d(site output). `swap = (recipe, select)` with
   select {site: bool scalar, possibly traced} replaces a site's output by its output under `recipe`
   where select is true: one compiled program can then switch sites between recipes at run time."""
-  token = _PROBE.set((inputs, taps or {}, swap))
-  try:
-    yield
-  finally:
-    _PROBE.reset(token)
+  return runtime.using(probe=runtime.Probe(inputs, taps or {}, swap))
 
 
 def intercept(site: str, x, y, alternative=None):
   """Called by every Dense site with its input and output (and `alternative(recipe)`, its output under
   another recipe); returns the output to use. A no-op outside `probing`."""
-  state = _PROBE.get()
-  if state is None:
+  probe = runtime.current().probe
+  if probe is None:
     return y
-  inputs, taps, swap = state
-  inputs[site] = x
-  if swap is not None and alternative is not None and site in swap[1]:
+  probe.inputs[site] = x
+  if probe.swap is not None and alternative is not None and site in probe.swap[1]:
     import jax.numpy as jnp
-    y = jnp.where(swap[1][site], alternative(swap[0]).astype(y.dtype), y)
-  return y + taps[site] if site in taps else y
+    y = jnp.where(probe.swap[1][site], alternative(probe.swap[0]).astype(y.dtype), y)
+  return y + probe.taps[site] if site in probe.taps else y

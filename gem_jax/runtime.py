@@ -1,0 +1,77 @@
+"""The parallel runtime: what the model reads from its surroundings while it is traced.
+
+  Runtime(tensor_sum, context, lookup, probe, recorder)
+  with runtime.using(lookup=..., tensor_sum=...):   # the SPMD step, a probe or a FLOP count installs
+    model(batch)                                    # the model reads runtime.current().<field>
+
+Fields (None: the one-device behaviour):
+  tensor_sum  x -> sum of x over the tensor-parallel slices (a psum over `tensor`); row-parallel layers
+              and sliced norms add their partial results with it (gem_jax/model/layers.py)
+  context     ContextParallel: how many token slices, this device's slice, how to gather all slices; the
+              HSTU layer then works on its slice of the tokens (gem_jax/model/hstu.py)
+  lookup      (table name, rows as this trace sees them, ids) -> rows: the distributed embedding lookup
+              (gem_jax/parallel/sparse.py via the SPMD step); None reads the local table
+  probe       Probe: the precision probe's interception of every Dense site (gem_jax/precision/policy.py)
+  recorder    an object with record(kind, **facts), told about every lookup call and attention call as
+              it is traced; what FLOP counts and lookup capacities are derived from (gem_jax/observe)
+
+This is the only ContextVar in gem_jax. Model code reads it and never installs one; whoever installs one
+does so around a trace and restores the previous runtime afterwards (`using`). Imports only the standard
+library, so every package may read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Callable, Iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+  size: int                          # token slices
+  index: Callable[[], Any]           # () -> this device's slice index (traced int)
+  all_gather: Callable[[Any], Any]   # local slice (S x ...) -> every slice concatenated (size * S x ...)
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+  """Every Dense site stores its input in `inputs[site]` and adds `taps[site]` (when given) to its output;
+  `swap = (recipe, select)` replaces a site's output by its output under `recipe` where select[site]."""
+  inputs: dict
+  taps: dict
+  swap: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+  tensor_sum: Callable | None = None
+  context: ContextParallel | None = None
+  lookup: Callable | None = None
+  probe: Probe | None = None
+  recorder: Any = None
+
+
+_RUNTIME: contextvars.ContextVar[Runtime] = contextvars.ContextVar("gem_jax_runtime", default=Runtime())
+
+
+def current() -> Runtime:
+  return _RUNTIME.get()
+
+
+@contextlib.contextmanager
+def using(**fields) -> Iterator[Runtime]:
+  """Inside the block the runtime is the current one with `fields` replaced."""
+  token = _RUNTIME.set(dataclasses.replace(_RUNTIME.get(), **fields))
+  try:
+    yield _RUNTIME.get()
+  finally:
+    _RUNTIME.reset(token)
+
+
+def record(kind: str, **facts) -> None:
+  """Tells the installed recorder (if any) about one traced call, e.g. record("lookup", table=..., ids=...)."""
+  recorder = _RUNTIME.get().recorder
+  if recorder is not None:
+    recorder.record(kind, **facts)
