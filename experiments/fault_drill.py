@@ -1,227 +1,16 @@
-"""Fault drill: SIGKILL the trainer at random points, resume it each time, compare with an unbroken run.
+"""Fault drill: SIGKILL the trainer at random points, resume it each time, compare with an unbroken run
+(gem_jax/train/fault_drill.py says how).
 
-  python experiments/fault_drill.py --kills 5 --out drill.json           # ~3 min on 2 CPU cores
+  python experiments/fault_drill.py --kills 5 --out drill.json           # ~2 min on 2 CPU cores
   python experiments/fault_drill.py --kills 2 --steps 12 --out drill.json   # the CI size
 
-The drill trains a small config (default `tiny`, with HSTU dropout on so that the checkpointed RNG
-matters) twice, each in fresh processes on one CPU device:
-  reference  one process, start to finish
-  drilled    started, killed with SIGKILL at the i-th planned point, restarted with resume, K times, then
-             left to finish
-Kill points are drawn (seeded by --seed) from three kinds of moment, each used once when K >= 3:
-  step          right after step N is dispatched (its compute, or the next batch's, is under way)
-  save_begin    just before checkpoint N is handed to orbax (the device-to-host copy)
-  save_started  just after that hand-off returns, while the asynchronous write is in flight
-Every trainer process shares one persistent compilation cache (in the work folder), so only the reference
-run pays for compiling. The trainer announces these moments on stdout (`train(on_event=...)`); the drill kills the moment it reads
-the line, so the process dies a few milliseconds later, wherever it got to.
-
-Written to --out (JSON): `identical` (every per-step loss, the final train state -- params, optimizer
-state, step, rng -- and the final evaluation metrics bit for bit equal), the kill points (kind, step,
-whether the checkpoint being written got committed, the step the next process resumed from), the steps
-lost per kill (steps dispatched before the kill that the restart ran again), and wall times. The exit
-status is 0 only when `identical` is true.
+Writes --out (JSON): `identical` (every per-step loss, the final train state and the final evaluation bit
+for bit equal), the kill points, the steps lost per kill and wall times. Exit status 0 only when identical.
 """
 
 import argparse
 import json
-import os
-import random
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-
-MARK = "@@drill"
-KINDS = ("step", "save_begin", "save_started")   # the order the trainer passes them within one step
-
-
-def _overrides(args) -> list[str]:
-  return [f"train.steps={args.steps}", f"train.checkpoint_every={args.checkpoint_every}", "train.log_every=1",
-          f"train.eval_every={args.steps}", "train.eval_examples=256", "train.keep_checkpoints=3",
-          "train.warmup_steps=2", "model.hstu.dropout_rate=0.1", *args.set]
-
-
-def _config(args):
-  from gem_jax import configs
-  from gem_jax.config import apply_overrides
-  return apply_overrides(configs.get(args.config), _overrides(args))
-
-
-# ---- the trainer process ----------------------------------------------------------------------------
-
-
-def worker(args) -> int:
-  from gem_jax.train.loop import train
-
-  def emit(name: str, step: int) -> None:
-    print(f"{MARK} {name} {step}", flush=True)
-
-  train(_config(args), args.run_dir, resume=True, progress=False, report=False, on_event=emit)
-  emit("exit", 0)
-  return 0
-
-
-def _worker_cmd(args, run_dir: str) -> list[str]:
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--run-dir", run_dir, "--config", args.config,
-         "--steps", str(args.steps), "--checkpoint-every", str(args.checkpoint_every)]
-  for s in args.set:
-    cmd += ["--set", s]
-  return cmd
-
-
-def _env(cache_dir: str) -> dict:
-  """One CPU device, and a persistent compilation cache shared by every trainer process of the drill (as
-  restarts on a cluster share one): the reference run compiles, the restarts load the same executables."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-             JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-  return env
-
-
-def _run(args, run_dir: str, log, kill_at: tuple[str, int] | None, timeout: float) -> dict:
-  """One trainer process; kill_at (kind, step): SIGKILL it when it announces that moment."""
-  t0 = time.perf_counter()
-  proc = subprocess.Popen(_worker_cmd(args, run_dir), stdout=subprocess.PIPE, stderr=log, text=True,
-                          env=_env(os.path.join(os.path.dirname(run_dir), "compile_cache")))
-  seen = {"start": None, "last_step": None, "killed": False}
-  try:
-    for line in proc.stdout:
-      if time.perf_counter() - t0 > timeout:
-        proc.kill()
-        raise TimeoutError(f"trainer process ran past {timeout:.0f} s")
-      if not line.startswith(MARK):
-        continue
-      _, name, value = line.split()
-      step = int(value)
-      if name == "start":
-        seen["start"] = step
-      elif name == "step":
-        seen["last_step"] = step
-      if kill_at is not None and (name, step) == kill_at:
-        os.kill(proc.pid, signal.SIGKILL)
-        seen["killed"] = True
-        break
-  finally:
-    rc = proc.wait()
-  seen.update(returncode=rc, wall_s=round(time.perf_counter() - t0, 2))
-  if kill_at is None and rc != 0:
-    raise RuntimeError(f"trainer process failed (exit {rc}); its stderr is in {log.name}")
-  if kill_at is not None and not seen["killed"]:
-    raise RuntimeError(f"trainer process ended (exit {rc}) before reaching the kill point {kill_at}; its stderr "
-                       f"is in {log.name}")
-  return seen
-
-
-# ---- the drill ---------------------------------------------------------------------------------------
-
-
-def plan_kills(kills: int, steps: int, every: int, seed: int) -> list[tuple[str, int]]:
-  """K distinct kill points, in the order a run passes them; each kind at least once when K >= 3."""
-  saves = list(range(every, steps, every))
-  candidates = {"step": [("step", s) for s in range(1, steps)],
-                "save_begin": [("save_begin", s) for s in saves], "save_started": [("save_started", s) for s in saves]}
-  pool = sorted(set(p for c in candidates.values() for p in c))
-  if kills > len(pool):
-    raise ValueError(f"--kills {kills}: a {steps}-step run with a checkpoint every {every} steps has only "
-                     f"{len(pool)} distinct kill points")
-  rng = random.Random(seed)
-  chosen = set()
-  for kind in KINDS[:min(kills, 3)]:
-    if candidates[kind]:
-      chosen.add(rng.choice(candidates[kind]))
-  while len(chosen) < kills:
-    chosen.add(rng.choice(pool))
-  return sorted(chosen, key=lambda p: (p[1], KINDS.index(p[0])))
-
-
-def _losses(run_dir: str) -> dict[int, float]:
-  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    records = [json.loads(line) for line in f]
-  return {r["step"]: r["loss"] for r in records if "loss" in r and "step" in r}
-
-
-def _compare(args, ref_dir: str, drill_dir: str) -> dict:
-  """Bitwise comparison of the two runs: per-step losses, the final train state, the final evaluation."""
-  os.environ.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  import jax
-  import numpy as np
-  from gem_jax.train.checkpoint import Checkpointer
-  from gem_jax.train.loop import _build
-
-  ref_losses, drill_losses = _losses(ref_dir), _losses(drill_dir)
-  loss_diffs = [s for s in sorted(set(ref_losses) | set(drill_losses))
-                if s not in ref_losses or s not in drill_losses
-                or np.float64(ref_losses[s]).tobytes() != np.float64(drill_losses[s]).tobytes()]
-  abstract = _build(_config(args)).abstract_state()
-  states = []
-  for d in (ref_dir, drill_dir):
-    with Checkpointer(os.path.join(d, "checkpoints"), keep=3, save_every=args.checkpoint_every) as ckpt:
-      states.append(ckpt.restore(args.steps, abstract_state=abstract)[1])
-  leaf_diffs = []
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(states[0])[0], jax.tree_util.tree_leaves(states[1])):
-    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-      a, b = jax.random.key_data(a), jax.random.key_data(b)
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or a.dtype != b.dtype or a.tobytes() != b.tobytes():
-      leaf_diffs.append(jax.tree_util.keystr(path))
-  evals = []
-  for d in (ref_dir, drill_dir):
-    with open(os.path.join(d, "summary.json")) as f:
-      evals.append(json.load(f)["tasks"])
-  return {"losses_identical": not loss_diffs and len(ref_losses) == args.steps,
-          "state_identical": not leaf_diffs, "eval_identical": evals[0] == evals[1],
-          "steps_compared": len(ref_losses), "leaves_compared": len(jax.tree_util.tree_leaves(states[0])),
-          "loss_differences_at": loss_diffs[:20], "state_differences_in": leaf_diffs[:20],
-          "final_loss": ref_losses.get(args.steps), "final_eval": evals[0]}
-
-
-def drill(args) -> dict:
-  t0 = time.perf_counter()
-  work = args.workdir or tempfile.mkdtemp(prefix="fault_drill_")
-  ref_dir, drill_dir = os.path.join(work, "reference"), os.path.join(work, "drilled")
-  for d in (ref_dir, drill_dir):
-    if os.path.exists(d):
-      shutil.rmtree(d)
-    os.makedirs(d)
-  plan = plan_kills(args.kills, args.steps, args.checkpoint_every, args.seed)
-  print(f"fault drill: {args.steps} steps of {args.config}, a checkpoint every {args.checkpoint_every}; kill points "
-        f"{plan}; runs in {work}", flush=True)
-  with open(os.path.join(work, "reference.log"), "w") as log:
-    ref = _run(args, ref_dir, log, None, args.timeout)
-  print(f"  reference run: {ref['wall_s']} s", flush=True)
-  kills = []
-  with open(os.path.join(work, "drilled.log"), "w") as log:
-    for kind, step in plan:
-      seen = _run(args, drill_dir, log, (kind, step), args.timeout)
-      committed = sorted(int(n) for n in os.listdir(os.path.join(drill_dir, "checkpoints")) if n.isdigit())
-      kills.append({"kind": kind, "step": step, "process_started_at": seen["start"],
-                    "last_step_dispatched": seen["last_step"], "process_wall_s": seen["wall_s"],
-                    "checkpoints_on_disk": committed,
-                    **({"save_committed": step in committed} if kind != "step" else {})})
-      print(f"  killed at {kind} {step} (last step dispatched {seen['last_step']}, checkpoints on disk "
-            f"{committed})", flush=True)
-    final = _run(args, drill_dir, log, None, args.timeout)
-  restarts = [k["process_started_at"] for k in kills[1:]] + [final["start"]]
-  for k, resumed in zip(kills, restarts):
-    k["resumed_from"] = resumed
-    k["steps_lost"] = (k["last_step_dispatched"] or 0) - resumed
-  result = {"identical": None, **_compare(args, ref_dir, drill_dir)}
-  result["identical"] = result["losses_identical"] and result["state_identical"] and result["eval_identical"]
-  result.update(
-      kills=kills, steps_lost=[k["steps_lost"] for k in kills], total_steps_lost=sum(k["steps_lost"] for k in kills),
-      config=args.config, steps=args.steps, checkpoint_every=args.checkpoint_every, seed=args.seed,
-      overrides=_overrides(args), reference_wall_s=ref["wall_s"],
-      drilled_wall_s=round(sum(k["process_wall_s"] for k in kills) + final["wall_s"], 2),
-      wall_s=round(time.perf_counter() - t0, 2), workdir=work)
-  if not args.keep_runs and args.workdir is None and result["identical"]:
-    shutil.rmtree(work)
-    result["workdir"] = None
-  return result
 
 
 def main(argv=None) -> int:
@@ -237,14 +26,14 @@ def main(argv=None) -> int:
                  "when the drill passes)")
   p.add_argument("--keep-runs", action="store_true", help="keep the temporary run folders")
   p.add_argument("--timeout", type=float, default=900, help="seconds one trainer process may take")
-  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-  p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  if args.worker:
-    return worker(args)
-  if args.kills < 0 or args.steps < 2 or args.checkpoint_every < 1:
-    p.error("need --kills >= 0, --steps >= 2, --checkpoint-every >= 1")
-  result = drill(args)
+  from gem_jax.train import fault_drill
+  try:
+    spec = fault_drill.Drill(args.kills, args.steps, args.checkpoint_every, args.seed, args.config, tuple(args.set),
+                             args.workdir, args.keep_runs, args.timeout)
+  except ValueError as e:
+    p.error(str(e))
+  result = fault_drill.drill(spec)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)
   print(json.dumps({k: result[k] for k in ("identical", "steps_lost", "total_steps_lost", "wall_s")}), flush=True)

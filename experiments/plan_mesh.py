@@ -10,32 +10,8 @@ compared too, or the ones given with --baseline-mesh. Nothing is compiled: the n
 """
 
 import argparse
-import glob
-import json
-import os
 import shlex
 import sys
-import time
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-PLANNED = "# Planned by experiments/plan_mesh.py"  # the first line of a mesh file this script wrote
-
-
-def _matching_meshes(devices: int, device_name: str) -> list[str]:
-  """Hand-written mesh files (meshes/*.yaml, not ones this script wrote) for this many devices of this
-  device type."""
-  from gem_jax.parallel import mesh as mesh_lib
-  out = []
-  for path in sorted(glob.glob(os.path.join(ROOT, "meshes", "*.yaml"))):
-    with open(path) as f:
-      if f.readline().startswith(PLANNED):
-        continue
-    spec = mesh_lib.load(path)
-    if spec.num_devices == devices and spec.hardware.device == device_name:
-      out.append(path)
-  return out
 
 
 def main(argv=None) -> dict:
@@ -57,53 +33,18 @@ def main(argv=None) -> dict:
   p.add_argument("--max-context", type=int, default=8)
   args = p.parse_args(argv)
 
-  t0 = time.perf_counter()
   from gem_jax import configs
-  from gem_jax.observe import plan as plan_lib
-  from gem_jax.parallel import mesh as mesh_lib
+  from gem_jax.observe import cluster_text, plan as plan_lib
 
+  command = "python experiments/plan_mesh.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
   try:  # bad input: a usage error that names it, not a traceback
-    cfg = configs.get(args.config)
-    preset = plan_lib.get_preset(args.hardware)
-    paths = (args.baseline_mesh if args.baseline_mesh is not None
-             else _matching_meshes(args.devices, preset.hardware.device))
-    result = plan_lib.plan(cfg, args.devices, preset, batch_size=args.batch_size, mean_history=args.mean_history,
-                           overlap=args.overlap, efficiency=args.efficiency, max_tensor=args.max_tensor,
-                           max_context=args.max_context, baseline_meshes=[mesh_lib.load(x) for x in paths])
+    return cluster_text.plan_mesh(
+        configs.get(args.config), args.devices, plan_lib.get_preset(args.hardware), baseline_paths=args.baseline_mesh,
+        out_mesh=args.out_mesh, json_path=args.json, top=args.top, command=command, batch_size=args.batch_size,
+        mean_history=args.mean_history, overlap=args.overlap, efficiency=args.efficiency,
+        max_tensor=args.max_tensor, max_context=args.max_context)
   except (KeyError, ValueError) as e:
     p.error(str(e).strip('"'))
-  c = result.counts
-  print(f"{cfg.name} on {args.devices} x {preset.hardware.device} ({args.devices // preset.devices_per_node} nodes "
-        f"of {preset.devices_per_node}), global batch {result.batch_size}: {c['axis_sizes']} axis sizes x table "
-        f"rules = {c['sizes_and_rules']}, {c['pruned_tables_exceed_hbm']} pruned (tables alone exceed HBM), "
-        f"{c['simulated']} simulated, {c['layouts_timed']} layouts timed with their node placements, "
-        f"{c['fitting']} fit.")
-  print()
-  print("\n".join(plan_lib.table(result, args.top)))
-  print()
-  if result.ranked:
-    print("\n".join(plan_lib.explain(result)))
-  else:
-    print(f"No layout fits in {preset.hardware.hbm_bytes / 1e9:.0f} GB per device.")
-    for name, why in result.baseline_errors.items():
-      print(f"{name}: cannot run this config: {why}.")
-  command = "python experiments/plan_mesh.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-  if args.out_mesh and result.ranked:
-    name = os.path.splitext(os.path.basename(args.out_mesh))[0]
-    text = plan_lib.to_yaml(result, result.best, name, command)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out_mesh)), exist_ok=True)
-    with open(args.out_mesh, "w") as f:
-      f.write(text)
-    mesh_lib.load(args.out_mesh)  # what we wrote must load
-    print(f"\nwrote {args.out_mesh}")
-  out = plan_lib.to_json(result, args.top)
-  out["command"], out["wall_s"] = command, time.perf_counter() - t0
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(out, f, indent=1)
-    print(f"wrote {args.json}")
-  print(f"wall time {out['wall_s']:.1f} s")
-  return out
 
 
 if __name__ == "__main__":

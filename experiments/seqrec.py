@@ -1,17 +1,20 @@
-"""Sequential recommendation on public data: gem-jax's HSTU tower trained as a next-item model, evaluated
-by full ranking (HR@K, NDCG@K over every item, history excluded) under the leave-one-out protocol.
+"""Sequential recommendation on public data: gem-jax's HSTU tower trained as a next-item model through the
+trainer (checkpoints, --resume, any --mesh, report.json), evaluated by full ranking (HR@K, NDCG@K over every
+item, history excluded) under the leave-one-out protocol (gem_jax/run/next_item.py).
 
   python experiments/seqrec.py --dataset ml-1m --out runs/seqrec-ml-1m       # ~67 min on 2 CPU cores
   python experiments/seqrec.py --dataset beauty --out runs/seqrec-beauty     # ~14 min
   python experiments/seqrec.py --dataset ml-100k --quick --out runs/seqrec-quick   # CI-sized check
-  python experiments/seqrec.py --dataset ml-1m --set epochs=20 --set model.num_layers=4
+  python experiments/seqrec.py --dataset ml-1m --set train.epochs=20 --set model.num_layers=4
+  python experiments/seqrec.py --dataset ml-100k --quick --out runs/seqrec-quick --resume
 
-Datasets (--data-dir, default ../shared/data; the files are never copied into this repository):
+Datasets (--data-dir, default ../shared/data or $GEM_JAX_DATA_DIR; the files are never copied here):
   ml-1m    ml-1m/ratings.dat (GroupLens) if present, else ml-1m/ml-1m_sequences_orig_ids.txt
   ml-100k  ml-100k/u.data
   beauty, sports, toys   amazon-s3rec/{Beauty,Sports_and_Outdoors,Toys_and_Games}.txt (S3-Rec format)
-Writes DIR/results.json: validation and test metrics of the kept epoch, a most-popular baseline, the
-per-evaluation history, the config and the wall times.
+Writes the run folder (metrics.jsonl, checkpoints/, best/, summary.json, report.json) and results.json:
+validation and test metrics of the kept evaluation, a most-popular baseline, every evaluation, the config
+and the wall times.
 """
 
 import argparse
@@ -22,21 +25,25 @@ import sys
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--dataset", required=True, choices=["ml-1m", "ml-100k", "beauty", "sports", "toys"])
-  p.add_argument("--data-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"),
-                 help="root holding ml-1m/, ml-100k/, amazon-s3rec/ (default: ../shared/data)")
-  p.add_argument("--out", default=None, help="run folder for results.json (default runs/seqrec-DATASET)")
+  p.add_argument("--data-dir", default=None, help="root holding ml-1m/, ml-100k/, amazon-s3rec/")
+  p.add_argument("--out", default=None, help="run folder (default runs/seqrec-DATASET)")
   p.add_argument("--quick", action="store_true", help="small model, few epochs (ml-100k only; for tests)")
+  p.add_argument("--mesh", default=None, help="mesh file (meshes/*.yaml); default: one device")
+  p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+  p.add_argument("--no-report", action="store_true", help="skip the efficiency report")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                 help="override a SeqRecConfig field, e.g. --set epochs=20 --set model.dim=64 (repeatable)")
+                 help="override a config field, e.g. --set train.epochs=20 --set model.dim=64 (repeatable)")
   args = p.parse_args(argv)
 
+  from gem_jax import configs
   from gem_jax.config import apply_overrides
-  from gem_jax.data import seqrec as data
-  from gem_jax.train import seqrec
+  from gem_jax.train import jobs
 
-  cfg = apply_overrides(seqrec.preset(args.dataset, quick=args.quick), args.set)
-  ds = data.load(args.dataset, os.path.normpath(args.data_dir))
-  seqrec.train_and_evaluate(cfg, ds, out_dir=args.out or f"runs/seqrec-{args.dataset}")
+  sets = list(args.set) + ([f"data.data_dir={os.path.normpath(args.data_dir)}"] if args.data_dir else []) + \
+      ([f"mesh={args.mesh}"] if args.mesh else [])
+  cfg = apply_overrides(configs.seqrec(args.dataset, quick=args.quick), sets)
+  out = args.out or f"runs/seqrec-{args.dataset}"
+  jobs.train_next_item(cfg, out, resume=args.resume, report=not args.no_report)
   return 0
 
 

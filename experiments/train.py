@@ -1,4 +1,4 @@
-"""The main job: train a named GEM config on the synthetic ads stream.
+"""The main job: train a named config (GEM on the synthetic ads stream by default) through gem_jax/train/jobs.py.
 
   python experiments/train.py                          # small config, CPU, ~4 minutes on 2 cores
   python experiments/train.py --config tiny --out runs/tiny --set train.steps=50
@@ -63,21 +63,19 @@ def main(argv=None) -> int:
 
   from gem_jax import configs
   from gem_jax.config import apply_overrides
-  from gem_jax.train.loop import train
-  cfg = apply_overrides(configs.get(args.config), args.set)
-  if args.mesh:
-    cfg = apply_overrides(cfg, [f"mesh={args.mesh}"])
+  from gem_jax.train import jobs
+  cfg = apply_overrides(configs.get(args.config), args.set + ([f"mesh={args.mesh}"] if args.mesh else []))
   import jax
   if args.eval_only:
-    from gem_jax.train.loop import evaluate_checkpoint
-    result = evaluate_checkpoint(cfg, args.out, args.step)
+    result = jobs.evaluate_checkpoint(cfg, args.out, args.step)
     if jax.process_index() == 0:
       print(json.dumps(result, indent=2))
     return 0
-  summary = train(cfg, args.out, resume=args.resume, progress=not args.no_progress, report=not args.no_report)
+  summary = jobs.train_config(cfg, args.out, resume=args.resume, progress=not args.no_progress,
+                              report=not args.no_report)
   if jax.process_index() == 0:
     print(json.dumps({"steps": summary["steps"], "examples_per_s": summary["examples_per_s"],
-                      "tasks": summary["tasks"]}, indent=2))
+                      "tasks": summary.get("tasks")}, indent=2))
   return 0
 
 

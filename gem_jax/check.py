@@ -1,6 +1,6 @@
 """Run validation: a config, a mesh file and the run's devices that cannot work together fail here, first.
 
-  check_config(cfg, mesh_spec, num_devices)    # gem_jax/train/loop.py::train, before anything is built
+  check_config(cfg, mesh_spec, num_devices)    # gem_jax/run/build.py::build, before anything is built
 
 Where a check lives: a field that is wrong on its own fails in its dataclass's __post_init__ (so a bad
 `--set` fails at once), and a mesh file that is wrong on its own fails in gem_jax/parallel/mesh.py::parse.
@@ -9,13 +9,14 @@ device count. A check is here only because the combination would otherwise fail 
 allocated, inside tracing, at the first step) or run and compute something other than what the config says;
 each error names the config key(s) or mesh axis and the numbers.
 
-Tensor-parallel pairs: the SPMD step (gem_jax/parallel/spmd.py) cuts a parameter dim over `tensor` when its
+Tensor-parallel pairs: the SPMD step (gem_jax/run/step.py) cuts a parameter dim over `tensor` when its
 rule maps it to exactly that axis and the size divides, and keeps it whole otherwise. The model then reads
 its slice width off the parameter (gem_jax/model/layers.py), so every parameter of one column / row
-parallel pair must be cut the same way, or tracing fails on mismatched shapes. `tensor_parallel_parts`
-lists those parameters; tests/test_config_validation.py checks the list against the built model.
+parallel pair must be cut the same way, or tracing fails on mismatched shapes. `check_tensor_parallel`
+reads the pairs off the built model's parameters (gem_jax/parallel/placement.py).
 
-This module builds nothing, allocates nothing and never touches a device (the device count comes in).
+This module builds nothing, allocates nothing and never touches a device (the device count and, for
+the tensor-parallel check, the model's parameters come in).
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ from gem_jax.data.synthetic import SyntheticConfig
 from gem_jax.model.config import ModelConfig
 from gem_jax.parallel import mesh as mesh_lib
 from gem_jax.parallel.mesh import MeshFileError, MeshSpec
-from gem_jax.parallel.rules import logical_to_spec
-from gem_jax.parallel.spmd import TP_AXIS, TP_NAMES
+from gem_jax.parallel.placement import TP_AXIS, TP_NAMES, tensor_parallel_parts, tensor_slices
 
 
 class ConfigError(ValueError):
@@ -41,17 +41,32 @@ class ConfigError(ValueError):
 def check_config(cfg: Config, mesh_spec: MeshSpec | None, num_devices: int | None = None) -> None:
   """Raises ConfigError (or MeshFileError for the mesh and the devices) for the first combination of `cfg`,
   its mesh file `mesh_spec` (the loaded cfg.mesh; None: one device) and the run's `num_devices` (None: not
-  checked) that cannot run."""
-  check_spec(cfg.data.spec)
-  check_synthetic(cfg.data.synthetic)
-  check_model(cfg.model)
+  checked) that cannot run. The GEM checks apply to GEM configs (a ModelConfig), the synthetic ones to a
+  source with a SyntheticConfig; every config gets the mesh, device and batch checks."""
+  if isinstance(cfg.model, ModelConfig):
+    check_spec(cfg.data.spec)
+    check_model(cfg.model)
+  if isinstance(getattr(cfg.data, "synthetic", None), SyntheticConfig):
+    check_synthetic(cfg.data.synthetic)
   if mesh_spec is None:
     return
   if num_devices is not None:
     mesh_lib.check_devices(mesh_spec, num_devices)
-  mesh_lib.check_batch(mesh_spec, cfg.data.pipeline.batch_size)
+  mesh_lib.check_batch(mesh_spec, train_batch_size(cfg))
   check_rules(mesh_spec)
-  check_tensor_parallel(cfg.model, mesh_spec)
+
+
+def check_selection(select_metric: str, selectable: dict[str, int]) -> None:
+  """train.select_metric names a metric the task's evaluation reports (and knows the direction of)."""
+  if select_metric and select_metric not in selectable:
+    raise ConfigError(f"train.select_metric {select_metric!r} is not one of the task's selectable metrics: "
+                      f"{sorted(selectable)}")
+
+
+def train_batch_size(cfg) -> int:
+  """Rows of a training batch, whatever the source's config calls it."""
+  pipe = getattr(cfg.data, "pipeline", None)
+  return pipe.batch_size if pipe is not None else cfg.data.batch_size
 
 
 # ---- the config on its own ---------------------------------------------------------------------------------
@@ -102,58 +117,18 @@ def check_rules(spec: MeshSpec) -> None:
                           f"only {TP_NAMES} may map there")
 
 
-@dataclasses.dataclass(frozen=True)
-class Part:
-  """One parameter dim of a tensor-parallel pair: `path` in the model, its logical `names`, the `dim` that
-  the pair slices and its `size`."""
-  path: str
-  names: tuple[str | None, ...]
-  dim: int
-  size: int
-
-
-def tensor_parallel_parts(model: ModelConfig) -> dict[str, tuple[Part, ...]]:
-  """The parameter dims of each column / row parallel pair of the model (every layer has the same widths,
-  so layer 0 stands for all). Keyed by the config keys that size them."""
-  h, w = model.hstu, model.wukong
-  cols, hdv = h.num_heads * (2 * h.value_dim + 2 * h.head_dim), h.num_heads * h.value_dim
-  hstu = "layers.0.hstu"
-  wukong = "layers.0.wukong"
-  return {
-      "model.hstu.num_heads": (
-          Part(f"{hstu}.uvqk.kernel", ("embed", "mlp"), 1, cols), Part(f"{hstu}.uvqk.bias", ("mlp",), 0, cols),
-          Part(f"{hstu}.norm_attn.scale", ("mlp",), 0, hdv), Part(f"{hstu}.norm_attn.bias", ("mlp",), 0, hdv),
-          Part(f"{hstu}.out.kernel", ("mlp", "embed"), 0, hdv),
-          Part(f"{hstu}.rel_bias_HxR", ("heads", None), 0, h.num_heads)),
-      "model.wukong.mlp_hidden": (
-          Part(f"{wukong}.fm_mlp_in.kernel", ("embed", "mlp"), 1, w.mlp_hidden),
-          Part(f"{wukong}.fm_mlp_in.bias", ("mlp",), 0, w.mlp_hidden),
-          Part(f"{wukong}.fm_mlp_out.kernel", ("mlp", "embed"), 0, w.mlp_hidden)),
-      "model.tower_hidden": (
-          Part("heads.trunk.kernel", ("embed", "mlp"), 1, model.tower_hidden),
-          Part("heads.trunk.bias", ("mlp",), 0, model.tower_hidden),
-          Part("heads.w1_RxGxG", ("features", "mlp", None), 1, model.tower_hidden)),
-  }
-
-
-def tensor_slices(part: Part, spec: MeshSpec) -> int:
-  """How many slices the SPMD step leaves `part` cut into: the tensor size when its rule entry is exactly
-  `tensor` and the size divides (spmd.Plan.spec_for), else 1 (whole, or gathered back before use)."""
-  entry = logical_to_spec(part.names, spec.rules)[part.dim]
-  t = spec.shape[TP_AXIS]
-  return t if entry == TP_AXIS and t > 1 and part.size % t == 0 else 1
-
-
-def check_tensor_parallel(model: ModelConfig, spec: MeshSpec) -> None:
-  """Every parameter of a tensor-parallel pair is cut the same way; for HSTU that means whole heads."""
+def check_tensor_parallel(params, spec: MeshSpec) -> None:
+  """Every parameter of a tensor-parallel pair is cut the same way (for HSTU: whole heads). `params`: the
+  built or abstract model's parameters, whose tensor-parallel dims are read off their logical axes
+  (placement.tensor_parallel_parts), so a layer added to the model is checked without being listed here.
+  build() calls this before anything is compiled."""
   t = spec.shape[TP_AXIS]
   if t == 1:
     return
-  values = {"model.hstu.num_heads": f"model.hstu.num_heads={model.hstu.num_heads} (head_dim="
-                                    f"{model.hstu.head_dim}, value_dim={model.hstu.value_dim})",
-            "model.wukong.mlp_hidden": f"model.wukong.mlp_hidden={model.wukong.mlp_hidden}",
-            "model.tower_hidden": f"model.tower_hidden={model.tower_hidden}"}
-  for key, parts in tensor_parallel_parts(model).items():
+  groups: dict[str, list] = {}
+  for part in tensor_parallel_parts(params):
+    groups.setdefault(part.group, []).append(part)
+  for group, parts in groups.items():
     slices = [tensor_slices(p, spec) for p in parts]
     if len(set(slices)) == 1:
       continue
@@ -165,7 +140,8 @@ def check_tensor_parallel(model: ModelConfig, spec: MeshSpec) -> None:
              f"features: {rules['features']}) place them differently; map mlp and heads to {TP_AXIS!r} alone "
              "(the default) or neither")
     else:
-      fix = f"use a {key} divisible by {TP_AXIS}={t}, or a mesh with {TP_AXIS}=1"
-    raise ConfigError(f"{values[key]} does not split over mesh axis {TP_AXIS}={t} of mesh {spec.name!r}: the "
-                      f"parameters of one tensor-parallel pair would be cut differently ({cuts}), and tracing "
-                      f"the step would fail on their shapes; {fix}")
+      fix = (f"use widths divisible by {TP_AXIS}={t} (the number of heads of an HSTU layer, the MLP width of a "
+             f"Wukong layer, the tower width of the heads), or a mesh with {TP_AXIS}=1")
+    raise ConfigError(f"{group}: the parameters of its tensor-parallel pair would be cut differently over mesh "
+                      f"axis {TP_AXIS}={t} of mesh {spec.name!r} ({cuts}), and tracing the step would fail on "
+                      f"their shapes; {fix}")

@@ -1,6 +1,9 @@
 """The run configuration: frozen dataclasses composed from each part's own config.
 
-  Config(name, model: ModelConfig, data: DataConfig(spec, synthetic, pipeline), train: TrainConfig, mesh)
+  Config(name, model, data, train: TrainConfig, task, mesh)
+
+TrainConfig lives here (not in gem_jax/train/) so that everything below the trainer can read it without
+importing the trainer.
 
 Named configs are built by functions in gem_jax/configs.py. `apply_overrides(cfg, ["train.steps=200"])` sets
 nested fields from strings (the `--set` flag of experiments/train.py); an unknown key, a value that does
@@ -12,29 +15,107 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import typing
+from typing import Any
 
-from gem_jax.data.pipeline import PipelineConfig
-from gem_jax.data.spec import FeatureSpec
-from gem_jax.data.synthetic import SyntheticConfig
-from gem_jax.model.config import ModelConfig
-from gem_jax.train.config import TrainConfig
 
+
+# ---- training: optimizer, schedule, evaluation, checkpointing and logging cadence ------------------------
+# Two optimizers, as in TorchRec/FBGEMM recommenders (gem_jax/run/optim.py):
+#   dense params      AdamW, linear warmup to `learning_rate` then cosine decay to
+#                     `learning_rate * end_lr_fraction` at `steps`, global-norm clipping at `grad_clip_norm`
+#   embedding tables  row-wise Adagrad at a constant `embedding_learning_rate`
+# CPU-sized defaults (a laptop run of a few hundred steps); named configs replace fields.
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
-  spec: FeatureSpec
-  synthetic: SyntheticConfig
-  pipeline: PipelineConfig
+class TrainConfig:
+  steps: int = 500
+  # Dense AdamW.
+  learning_rate: float = 1e-3     # peak, reached at the end of warmup
+  warmup_steps: int = 50
+  end_lr_fraction: float = 0.1    # lr at `steps` = learning_rate * end_lr_fraction
+  weight_decay: float = 1e-4      # decoupled, on >= 2-D dense kernels only
+  b1: float = 0.9
+  b2: float = 0.999
+  grad_clip_norm: float = 1.0     # global norm over the dense gradients; tables are not clipped
+  # Row-wise Adagrad for embedding tables.
+  embedding_learning_rate: float = 0.05
+  adagrad_initial_accumulator: float = 0.0
+  adagrad_eps: float = 1e-8
+  # Cadence.
+  eval_every: int = 100
+  eval_examples: int = 4096
+  checkpoint_every: int = 100
+  keep_checkpoints: int = 3
+  log_every: int = 10
+  seed: int = 0
+  # Runs over a finite dataset (a source with steps_per_epoch, e.g. the next-item datasets): when epochs > 0
+  # the run lasts epochs x steps_per_epoch steps (`steps` is ignored) and eval_every_epochs > 0 evaluates
+  # every that many epochs instead of every `eval_every` steps.
+  epochs: int = 0
+  eval_every_epochs: int = 0
+  # Model selection: the evaluation metric whose best value picks the parameters the final evaluation
+  # reads ("" = the last ones), and how many evaluations without a better one end the run (0 = never).
+  select_metric: str = ""
+  patience: int = 0
+  max_train_minutes: float = 0.0  # end training after this long (0 = no limit); the stop is recorded
+  # Non-finite guard (gem_jax/run/step.py skips such a step's update): after `nonfinite_patience`
+  # skipped steps in a row, "restore" reloads the newest checkpoint from before the streak (weights and
+  # optimizer state; the data goes on) at most `max_nonfinite_restores` times, "stop" ends the run.
+  nonfinite_patience: int = 3
+  on_nonfinite: str = "restore"
+  max_nonfinite_restores: int = 3
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if field.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise ValueError(f"TrainConfig.{field.name} must be an integer, got {value!r}")
+      # NaN slips through the `< 0` checks below, and an infinite rate, decay or accumulator makes the first
+      # update NaN (an infinite adagrad_eps: tables that never move). An infinite clip norm means no clipping.
+      number = not isinstance(value, bool) and isinstance(value, numbers.Real)
+      if field.type in ("float", float) and (not number or math.isnan(value) or
+                                    (math.isinf(value) and field.name != "grad_clip_norm")):
+        raise ValueError(f"TrainConfig.{field.name} must be a finite number, got {value!r}")
+    positive = ("steps", "learning_rate", "embedding_learning_rate", "eval_every", "eval_examples",
+                "checkpoint_every", "keep_checkpoints", "log_every", "grad_clip_norm", "adagrad_eps")
+    for name in positive:
+      if not getattr(self, name) > 0:
+        raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
+    if not 0 <= self.warmup_steps < self.steps:
+      raise ValueError(f"TrainConfig.warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
+    if not 0.0 <= self.end_lr_fraction <= 1.0:
+      raise ValueError(f"TrainConfig.end_lr_fraction must be in [0, 1], got {self.end_lr_fraction}")
+    for name in ("b1", "b2"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+    if self.on_nonfinite not in ("restore", "stop"):
+      raise ValueError(f"TrainConfig.on_nonfinite must be 'restore' or 'stop', got {self.on_nonfinite!r}")
+    if self.nonfinite_patience < 1 or self.max_nonfinite_restores < 0:
+      raise ValueError(f"TrainConfig: nonfinite_patience must be >= 1 and max_nonfinite_restores >= 0, got "
+                       f"{self.nonfinite_patience} and {self.max_nonfinite_restores}")
+    if self.weight_decay < 0 or self.adagrad_initial_accumulator < 0:
+      raise ValueError("TrainConfig.weight_decay and adagrad_initial_accumulator must be non-negative")
+    for name in ("epochs", "eval_every_epochs", "patience"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+    if self.max_train_minutes < 0:
+      raise ValueError(f"TrainConfig.max_train_minutes must be >= 0, got {self.max_train_minutes}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+  """A run: `data` picks the data source by its type (gem_jax/data/sources.py: DataConfig for the synthetic
+  ads stream, SeqRecDataConfig for the public next-item datasets), `task` the task by its type
+  (gem_jax/run/tasks.py), `model` is what that task builds (ModelConfig for GEM)."""
   name: str
-  model: ModelConfig
-  data: DataConfig
+  model: Any
+  data: Any
   train: TrainConfig
-  mesh: str | None = None  # path of a meshes/*.yaml file; None: one device
+  task: Any = None
+  mesh: str | None = None  # path of a meshes/*.yaml file; None: one device (the 1x1x1x1x1 mesh)
 
 
 def _parse(value: str, typ, key: str):

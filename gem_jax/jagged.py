@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gem_jax import runtime
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +201,7 @@ def split_rows(x: Jagged, first_lengths_B, capacity_first: int, capacity_second:
 
 def keep_last(x: Jagged, k: int, capacity: int | None = None) -> Jagged:
   """Keeps the most recent k tokens of every row (the pyramid schedule of deeper sequence layers)."""
+  runtime.record("truncate", k=k)  # where a row's FLOPs change form (gem_jax/observe/flops.py)
   lengths = x.lengths()
   kept = jnp.minimum(lengths, k)
   cap = min(x.capacity, x.batch_size * k) if capacity is None else capacity

@@ -15,6 +15,7 @@ from typing import Callable
 
 import jax
 
+from gem_jax import runtime
 from pallas_kernels.hstu_attention import api as hstu_pallas
 from pallas_kernels.hstu_attention import query_block as hstu_query_block
 from pallas_kernels.hstu_attention import reference as hstu_reference
@@ -84,6 +85,18 @@ def _resolve(impl: str, registry: dict[str, Callable], kernel: str) -> Callable:
   return registry[impl]
 
 
+def _counted(kind: str, impl: str, q_TxHxD, v_TxHxDv, max_seq_len: int, contextual_seq_len: int) -> bool:
+  """Tells the runtime's recorder about this call (gem_jax/runtime.py); True when the trace is only
+  counted and the call should return zeros instead of a kernel."""
+  rt = runtime.current()
+  if rt.recorder is not None:
+    name = impl if impl != "auto" else ("pallas" if jax.default_backend() == "gpu" else "xla")
+    runtime.record("attention", kind=kind, impl=name, length=q_TxHxD.shape[0], heads=q_TxHxD.shape[1],
+                   dh=q_TxHxD.shape[2], dv=v_TxHxDv.shape[2], max_seq_len=max_seq_len,
+                   num_contextual=contextual_seq_len)
+  return rt.count_only
+
+
 def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int, alpha: float,
                    causal: bool = True, num_targets=None, max_attn_len: int = 0,
                    contextual_seq_len: int = 0, rel_bias_HxR=None, impl: str = "auto"):
@@ -94,6 +107,8 @@ def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int,
   logit alpha * q.k before the SiLU, as HSTU's relative attention bias does.
   """
   fn = _resolve(impl, _HSTU_IMPLS, "hstu_attention")
+  if _counted("hstu", impl, q_TxHxD, v_TxHxDv, max_seq_len, contextual_seq_len):
+    return jax.numpy.zeros_like(v_TxHxDv)
   return fn(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, max_seq_len=max_seq_len, alpha=alpha,
             causal=causal, num_targets=num_targets, max_attn_len=max_attn_len,
             contextual_seq_len=contextual_seq_len, rel_bias_HxR=rel_bias_HxR)
@@ -116,5 +131,7 @@ def jagged_softmax_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq
   """Softmax attention over jagged rows with the HSTU mask semantics (InterFormer-style sequence arches);
   see pallas_kernels/jagged_softmax_attention/reference.py."""
   fn = _resolve(impl, _SOFTMAX_IMPLS, "jagged_softmax_attention")
+  if _counted("softmax", impl, q_TxHxD, v_TxHxDv, max_seq_len, contextual_seq_len):
+    return jax.numpy.zeros_like(v_TxHxDv)
   return fn(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, max_seq_len=max_seq_len, scale=scale, causal=causal,
             num_targets=num_targets, max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len)

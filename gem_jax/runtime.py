@@ -12,8 +12,10 @@ Fields (None: the one-device behaviour):
   lookup      (table name, rows as this trace sees them, ids) -> rows: the distributed embedding lookup
               (gem_jax/parallel/sparse.py via the SPMD step); None reads the local table
   probe       Probe: the precision probe's interception of every Dense site (gem_jax/precision/policy.py)
-  recorder    an object with record(kind, **facts), told about every lookup call and attention call as
-              it is traced; what FLOP counts and lookup capacities are derived from (gem_jax/observe)
+  recorder    an object with record(what, **facts), told about every lookup call, attention call and row
+              truncation as it is traced; what FLOP counts and lookup capacities are derived from
+  count_only  the trace is only counted, never run (gem_jax/observe/flops.py): attention calls return
+              zeros of their output's shape instead of tracing a kernel
 
 This is the only ContextVar in gem_jax. Model code reads it and never installs one; whoever installs one
 does so around a trace and restores the previous runtime afterwards (`using`). Imports only the standard
@@ -38,10 +40,12 @@ class ContextParallel:
 @dataclasses.dataclass(frozen=True)
 class Probe:
   """Every Dense site stores its input in `inputs[site]` and adds `taps[site]` (when given) to its output;
-  `swap = (recipe, select)` replaces a site's output by its output under `recipe` where select[site]."""
+  `swap = (recipe, select)` replaces a site's output by its output under `recipe` where select[site];
+  `recipes` {site: recipe} overrides the recipe a site was built with."""
   inputs: dict
   taps: dict
   swap: tuple | None = None
+  recipes: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Runtime:
   lookup: Callable | None = None
   probe: Probe | None = None
   recorder: Any = None
+  count_only: bool = False
 
 
 _RUNTIME: contextvars.ContextVar[Runtime] = contextvars.ContextVar("gem_jax_runtime", default=Runtime())
@@ -70,8 +75,8 @@ def using(**fields) -> Iterator[Runtime]:
     _RUNTIME.reset(token)
 
 
-def record(kind: str, **facts) -> None:
+def record(what: str, **facts) -> None:
   """Tells the installed recorder (if any) about one traced call, e.g. record("lookup", table=..., ids=...)."""
   recorder = _RUNTIME.get().recorder
   if recorder is not None:
-    recorder.record(kind, **facts)
+    recorder.record(what, **facts)

@@ -55,3 +55,21 @@ def shape_dtype(shape, dtype, *refs) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=type(mat)(varying=axes))
   return jax.ShapeDtypeStruct(shape, dtype, vma=axes)
 
+
+
+def interpretable(call, *operands, interpret: bool):
+  """call(*operands) for a pallas_call. jax's Pallas interpreter (interpret=True) re-binds a kernel traced
+  without varying axes on the blocks it slices, and inside shard_map that mixes varying blocks with
+  invariant program ids, which the varying-axes check rejects. There the operands are all-gathered over
+  their axes (invariant copies of every device's operands), the call is vmapped over the devices, and each
+  device keeps its own result: the same values, at the cost of every device interpreting every device's
+  kernel (free on the one-device mesh; interpret mode is a CPU test path). Compiled kernels and calls
+  outside shard_map are called as they are."""
+  axes = tuple(sorted(frozenset().union(*(varying_axes(x) for x in jax.tree_util.tree_leaves(operands)))))
+  if not interpret or not axes:
+    return call(*operands)
+  # to="invarying": the gathered copies are typed invariant (jax 0.10 and 0.11 spell it so).
+  gathered = [jax.lax.all_gather(x, axes, to="invarying") for x in like(list(operands), *operands)]
+  per_device = jax.vmap(call)(*gathered)
+  index = jax.lax.axis_index(axes)
+  return jax.tree_util.tree_map(lambda out: out[index], per_device)

@@ -11,23 +11,34 @@ import pytest  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory):
-  """JAX's persistent compilation cache while a module that asks for it runs (unless one is set already):
-  a program compiled again (a new jit of the same computation, in this module or another one using this
-  fixture on the same worker, which uses the same folder) is loaded instead of compiled. The folder lives
-  in this session's pytest temp dir, so every session starts empty. Only programs that took >= 1 s to compile
-  are stored (jax_persistent_cache_min_compile_time_secs)."""
+  """One persistent compilation cache for the whole test session (unless one is set already): a program
+  compiled again (a new jit of the same computation in any test, on any xdist worker) is loaded instead of
+  compiled. The folder is shared by the session's workers (the parent of each worker's base temp dir) and
+  starts empty each session. Every program is stored, however fast its compile; subprocesses a test
+  starts get the same cache through the JAX_* environment variables."""
   from jax.experimental.compilation_cache import compilation_cache
   if jax.config.jax_compilation_cache_dir:
     yield
     return
-  compilation_cache.reset_cache()
-  folder = tmp_path_factory.getbasetemp() / "jax_compile_cache"  # per xdist worker
+  base = tmp_path_factory.getbasetemp()
+  root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+  folder = root / "jax_compile_cache"
   folder.mkdir(exist_ok=True)
+  compilation_cache.reset_cache()
   jax.config.update("jax_compilation_cache_dir", str(folder))
+  # Every program, however small: most of a tiny run's compiles are eager ops of well under a second each,
+  # and the same ones recur in most tests.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=str(folder), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   try:
     yield
   finally:
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
+      os.environ.pop(name, None)
     jax.config.update("jax_compilation_cache_dir", None)
     compilation_cache.reset_cache()

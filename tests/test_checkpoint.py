@@ -113,8 +113,8 @@ def test_errors(tmp_path):
 def test_nnx_params_and_optimizer_state_round_trip(tmp_path):
   """The real train state: nnx Variables, optax named tuples and MaskedNode placeholders."""
   from flax import nnx
-  from gem_jax.train import optim
-  from gem_jax.train.config import TrainConfig
+  from gem_jax.run import optim
+  from gem_jax.config import TrainConfig
 
   class Table(nnx.Param):
     pass

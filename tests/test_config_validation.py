@@ -3,8 +3,8 @@ names the config key or mesh axis and the numbers; every shipped config and mesh
 
 Each bad case below was first shown, without gem_jax/check.py, to fail late (inside tracing or placement,
 after the model and tables were built), to fail far from the config (inside numpy), or to run and compute
-something else; here it must fail in check.check_config, and train() must raise the same error before it
-builds or compiles anything.
+something else; here it must fail in build's checks on shapes alone (gem_jax/check.py), and a training job must raise the
+same error before it builds or compiles anything.
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ from flax import nnx
 
 from gem_jax import check, configs
 from gem_jax.check import ConfigError
-from gem_jax.config import apply_overrides
+from gem_jax.config import TrainConfig, apply_overrides
 from gem_jax.data.pipeline import PipelineConfig
 from gem_jax.model.config import HSTUConfig, ModelConfig, WukongConfig
 from gem_jax.parallel import mesh as mesh_lib
 from gem_jax.parallel.mesh import MeshFileError
-from gem_jax.train.config import TrainConfig
+from gem_jax.run import step as step_lib
+from gem_jax.run import tasks
+from gem_jax.run.build import build
+from gem_jax.train import jobs
 
 MESHES = pathlib.Path(__file__).resolve().parents[1] / "meshes"
 NAN, INF = float("nan"), float("inf")
@@ -57,16 +60,17 @@ CASES = [
     ("batch_over_data_axes", sets("data.pipeline.batch_size=18"), ("cpu_8", None), MeshFileError,
      r"batch size 18 does not divide .* = 4 shards\): set data\.pipeline\.batch_size to a multiple of 4"),
     ("heads_over_tensor", sets("model.hstu.num_heads=3"), ("cpu_8", None), ConfigError,
-     r"model\.hstu\.num_heads=3 \(head_dim=16, value_dim=16\) does not split over mesh axis tensor=2 .*"
-     r"uvqk\.kernel dim 1 \(192\) into 2.*rel_bias_HxR dim 0 \(3\) whole.*divisible by tensor=2"),
+     r"layers\.0\.hstu: the parameters of its tensor-parallel pair would be cut differently over mesh axis "
+     r"tensor=2 of mesh 'cpu_8' .*rel_bias_HxR dim 0 \(3\) whole.*uvqk\.kernel dim 1 \(192\) into 2.*"
+     r"use widths divisible by tensor=2"),
     ("heads_rule_off_tensor", sets(), ("cpu_8", {"heads": None}), ConfigError,
-     r"model\.hstu\.num_heads=2 .*rel_bias_HxR dim 0 \(2\) whole.*rules \(mlp: tensor, heads: None"),
+     r"layers\.0\.hstu: .*rel_bias_HxR dim 0 \(2\) whole.*rules \(mlp: tensor, heads: None"),
     ("mlp_rule_off_tensor", sets(), ("cpu_8", {"mlp": None}), ConfigError,
-     r"model\.hstu\.num_heads=2 .*uvqk\.kernel dim 1 \(128\) whole.*rel_bias_HxR dim 0 \(2\) into 2"),
+     r"layers\.0\.hstu: .*rel_bias_HxR dim 0 \(2\) into 2.*uvqk\.kernel dim 1 \(128\) whole"),
     ("mlp_rule_fsdp_and_tensor", sets(), ("cpu_8", {"mlp": ["fsdp", "tensor"]}), ConfigError,
-     r"model\.hstu\.num_heads=2 .*uvqk\.kernel dim 1 \(128\) into 2.*out\.kernel dim 0 \(32\) whole"),
+     r"heads: .*heads\.trunk\.bias dim 0 \(32\) whole; heads\.trunk\.kernel dim 1 \(32\) into 2"),
     ("embed_rule_takes_tensor", sets(), ("cpu_8", {"embed": ["fsdp", "tensor"]}), ConfigError,
-     r"uvqk\.kernel dim 1 \(128\) whole.*uvqk\.bias dim 0 \(128\) into 2"),
+     r"heads: .*heads\.trunk\.bias dim 0 \(32\) into 2; heads\.trunk\.kernel dim 1 \(32\) whole"),
     ("embed_rule_on_tensor", sets(), ("cpu_8", {"embed": "tensor"}), MeshFileError,
      r"rules put logical axis 'embed' on 'tensor' \(size 2\).*only \('mlp', 'heads'\)"),
     ("attn_impl", sets("model.hstu.attn_impl=bogus"), None, ConfigError,
@@ -82,32 +86,40 @@ CASES = [
 ]
 
 
+def with_mesh(cfg, mesh, tmp_path):
+  if mesh is None:
+    return cfg
+  path = tmp_path / f"{mesh[0]}.yaml"
+  path.write_text(yaml.safe_dump(mesh_data(*mesh)))
+  return dataclasses.replace(cfg, mesh=str(path))
+
+
 @pytest.mark.parametrize("edit,mesh,error,pattern", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_setups_fail_in_check_config(edit, mesh, error, pattern):
-  cfg = edit(configs.get("tiny"))
-  spec = None if mesh is None else mesh_lib.parse(mesh_data(*mesh), f"{mesh[0]}.yaml")
+def test_bad_setups_fail_before_anything_is_allocated(edit, mesh, error, pattern, tmp_path):
+  """build(abstract=True) checks the config, the mesh against this process's devices and the model's
+  tensor-parallel cuts on its shapes alone."""
   with pytest.raises(error, match=pattern):
-    check.check_config(cfg, spec, len(jax.devices()))
+    build(with_mesh(edit(configs.get("tiny")), mesh, tmp_path), abstract=True, devices=jax.devices())
 
 
 @pytest.mark.parametrize("edit,mesh,error,pattern", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_train_fails_before_building_or_compiling(edit, mesh, error, pattern, tmp_path, monkeypatch):
-  from gem_jax.parallel import spmd
-  from gem_jax.train import loop
+  real_build_model = tasks.AdsMultiTask.build_model
 
-  def built(*args, **kwargs):
+  def abstract_only(self, *args, **kwargs):
+    model = real_build_model(self, *args, **kwargs)
+    if not all(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(nnx.state(model))):
+      raise AssertionError("the model was built before validation")
+    return model
+
+  def compiled(*args, **kwargs):
     raise AssertionError("compiled before validation")
 
-  monkeypatch.setattr(spmd.MeshRun, "create", built)
-  monkeypatch.setattr(loop, "make_train_step", built)
-  monkeypatch.setattr(loop, "GEM", built)
-  cfg = edit(configs.get("tiny"))
-  if mesh is not None:
-    path = tmp_path / f"{mesh[0]}.yaml"
-    path.write_text(yaml.safe_dump(mesh_data(*mesh)))
-    cfg = dataclasses.replace(cfg, mesh=str(path))
+  monkeypatch.setattr(tasks.AdsMultiTask, "build_model", abstract_only)
+  monkeypatch.setattr(step_lib, "make_train_step", compiled)
   with pytest.raises(error, match=pattern):
-    loop.train(cfg, str(tmp_path / "run"), progress=False, report=False)
+    jobs.train_config(with_mesh(edit(configs.get("tiny")), mesh, tmp_path), str(tmp_path / "run"), progress=False,
+                      report=False)
 
 
 @pytest.mark.parametrize("name", sorted(configs.CONFIGS))
@@ -117,7 +129,7 @@ def test_shipped_configs_pass_on_every_shipped_mesh(name, path):
   data shards (tiny on 1024 GPUs): that one must say so."""
   cfg, spec = configs.get(name), mesh_lib.load(path)
   check.check_config(cfg, None, 1)
-  if cfg.data.pipeline.batch_size % spec.data_shards:
+  if check.train_batch_size(cfg) % spec.data_shards:
     with pytest.raises(MeshFileError, match="does not divide over the data axes"):
       check.check_config(cfg, spec, spec.num_devices)
   else:
@@ -139,25 +151,6 @@ def test_heads_need_not_divide_without_tensor_parallelism():
   three_heads = apply_overrides(configs.get("tiny"), ["model.hstu.num_heads=3"])
   check.check_config(three_heads, mesh_lib.load(MESHES / "h200_8.yaml"), 8)  # tensor=1
   check.check_config(three_heads, None, 8)
-
-
-def test_tensor_parallel_parts_are_the_models_parameters():
-  """check.tensor_parallel_parts must list every parameter the model puts on "mlp" or "heads" (layer 0 stands
-  for every layer), with the model's own logical names and sizes, so the check cannot drift from the model."""
-  from gem_jax.model.gem import GEM
-  cfg = configs.get("tiny")
-  model = nnx.eval_shape(lambda: GEM(cfg.data.spec, cfg.model, rngs=nnx.Rngs(0)))
-  is_var = lambda x: isinstance(x, nnx.Variable)
-  params = {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): var
-            for path, var in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param), is_leaf=is_var)}
-  parts = {p.path: p for group in check.tensor_parallel_parts(cfg.model).values() for p in group}
-  tp = {path for path, var in params.items() if {"mlp", "heads"} & set(var.get_metadata().get("out_sharding") or ())}
-  assert {path.replace("layers.1.", "layers.0.") for path in tp} == set(parts)
-  for path, part in parts.items():
-    var = params[path]
-    assert tuple(var.get_metadata()["out_sharding"]) == part.names, path
-    assert var.get_value().shape[part.dim] == part.size, path
-    assert part.names[part.dim] in ("mlp", "heads"), path
 
 
 @pytest.mark.parametrize("build,pattern", [

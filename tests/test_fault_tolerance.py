@@ -13,19 +13,20 @@ import numpy as np
 import optax
 import pytest
 
-from gem_jax import configs
 from gem_jax.config import apply_overrides
-from gem_jax.data import pipeline
-from gem_jax.train import loop
-from gem_jax.train.step import TrainState, guarded_update
+from gem_jax.data.sources import SyntheticSource
+from gem_jax.run.build import build
+from gem_jax.run.step import TrainState, guarded_update
+from gem_jax.train import fault_drill, jobs
+from gem_jax.train.hooks import NonFiniteError
+from tests.run_helpers import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tiny(**overrides):
-  sets = {"train.warmup_steps": 1, "train.steps": 12, "train.log_every": 1, "train.checkpoint_every": 4,
-          "train.eval_every": 100, "train.eval_examples": 128, "train.nonfinite_patience": 3, **overrides}
-  return apply_overrides(configs.get("tiny"), [f"{k}={v}" for k, v in sets.items()])
+  return tiny(**{"train.warmup_steps": 1, "train.steps": 12, "train.log_every": 1, "train.checkpoint_every": 4,
+                 "train.eval_every": 100, "train.eval_examples": 128, "train.nonfinite_patience": 3, **overrides})
 
 
 def _bits(tree):
@@ -41,12 +42,12 @@ def test_guarded_update_keeps_params_and_optimizer_state_on_inf_gradients():
   tx = optax.adamw(optax.linear_schedule(1e-2, 0.0, 10))
   state = TrainState(params, tx.init(params), jnp.int32(0), jax.random.key(0))
   good = {"w": jnp.ones(4), "b": jnp.ones(2)}
-  stepped, m = guarded_update(tx, state, jnp.float32(0.5), good, jax.random.key(1))
+  stepped, m = guarded_update(tx, state, jnp.float32(0.5), good)
   assert int(m["nonfinite"]) == 0 and _bits(stepped.params) != _bits(params)
   # A finite loss with one infinite gradient entry, and a NaN loss with finite gradients: both skipped.
   for loss, grads in ((jnp.float32(0.5), {"w": good["w"].at[2].set(jnp.inf), "b": good["b"]}),
                       (jnp.float32(jnp.nan), good)):
-    out, m = guarded_update(tx, stepped, loss, grads, jax.random.key(2))
+    out, m = guarded_update(tx, stepped, loss, grads)
     assert int(m["nonfinite"]) == 1
     assert _bits(out.params) == _bits(stepped.params)
     assert _bits(out.opt_state) == _bits(stepped.opt_state)   # moments and the schedule's count too
@@ -54,11 +55,9 @@ def test_guarded_update_keeps_params_and_optimizer_state_on_inf_gradients():
 
 
 @pytest.fixture(scope="module")
-def tiny_run(compile_cache):
-  cfg = _tiny()
-  run = loop._build(cfg)
-  batch = next(iter(pipeline.make_iterator(run.stream, cfg.data.spec, cfg.data.pipeline)))
-  return run, batch
+def tiny_run():
+  run = build(_tiny())
+  return run, next(run.source.train_iterator())
 
 
 def test_train_step_skips_a_batch_with_nan_features(tiny_run):
@@ -66,11 +65,11 @@ def test_train_step_skips_a_batch_with_nan_features(tiny_run):
   before = _bits(run.state)
   poisoned = dataclasses.replace(batch, dense_BxG=np.full_like(batch.dense_BxG, np.nan))
   copy = jax.tree_util.tree_map(jnp.copy, run.state)  # the step donates its input
-  skipped, m = run.train_step(copy, poisoned)
+  skipped, m = run.train_step(copy, run.device_batch(poisoned))
   assert int(m["nonfinite"]) == 1 and not np.isfinite(float(m["loss"]))
   assert _bits(skipped.params) == _bits(run.state.params) and _bits(skipped.opt_state) == _bits(run.state.opt_state)
   assert int(skipped.step) == 1
-  stepped, m = run.train_step(jax.tree_util.tree_map(jnp.copy, run.state), batch)
+  stepped, m = run.train_step(jax.tree_util.tree_map(jnp.copy, run.state), run.device_batch(batch))
   assert int(m["nonfinite"]) == 0 and _bits(stepped.params) != _bits(run.state.params)
   assert _bits(run.state) == before
 
@@ -101,13 +100,12 @@ class _Poisoned:
     self.inner.set_state(state)
 
 
-_MAKE_ITERATOR = pipeline.make_iterator
+_TRAIN_ITERATOR = SyntheticSource.train_iterator
 
 
 def _poison(monkeypatch, bad_steps):
-  """The next train() reads NaN features at `bad_steps` (replacing any earlier poisoning)."""
-  monkeypatch.setattr(pipeline, "make_iterator",
-                      lambda *a, **k: _Poisoned(iter(_MAKE_ITERATOR(*a, **k)), bad_steps))
+  """The next run reads NaN features at `bad_steps` (replacing any earlier poisoning)."""
+  monkeypatch.setattr(SyntheticSource, "train_iterator", lambda self: _Poisoned(_TRAIN_ITERATOR(self), bad_steps))
 
 
 def _records(out_dir):
@@ -115,20 +113,18 @@ def _records(out_dir):
     return [json.loads(line) for line in f]
 
 
-@pytest.mark.usefixtures("compile_cache")
 def test_a_short_streak_is_skipped_and_counted(tmp_path, monkeypatch):
   _poison(monkeypatch, {5, 6})
-  summary = loop.train(_tiny(), str(tmp_path), progress=False, report=False)
+  summary = jobs.train_config(_tiny(), str(tmp_path), progress=False, report=False)
   assert summary["nonfinite"]["skipped_steps"] == [5, 6] and summary["nonfinite"]["restores"] == []
   nonfinite = {r["step"]: r["nonfinite"] for r in _records(tmp_path) if "nonfinite" in r}
   assert [s for s, bad in sorted(nonfinite.items()) if bad] == [5, 6] and len(nonfinite) == 12
   assert np.isfinite(summary["tasks"]["click"]["eval_ne"])
 
 
-@pytest.mark.usefixtures("compile_cache")
 def test_a_long_streak_restores_the_checkpoint_before_it(tmp_path, monkeypatch, capsys):
   _poison(monkeypatch, {6, 7, 8})
-  summary = loop.train(_tiny(), str(tmp_path), progress=False, report=False)
+  summary = jobs.train_config(_tiny(), str(tmp_path), progress=False, report=False)
   # Detected when step 8's metrics are read (step 9 in flight); checkpoint 8 was written during the
   # streak, so the restore goes back to 4, the newest from before it.
   [restore] = summary["nonfinite"]["restores"]
@@ -141,20 +137,19 @@ def test_a_long_streak_restores_the_checkpoint_before_it(tmp_path, monkeypatch, 
   assert np.isfinite(summary["tasks"]["click"]["eval_ne"])
 
 
-@pytest.mark.usefixtures("compile_cache")
 def test_stop_policy_and_too_many_restores_end_the_run(tmp_path, monkeypatch):
   _poison(monkeypatch, {6, 7, 8})
-  with pytest.raises(loop.NonFiniteError, match=r"3 consecutive non-finite steps \(6\.\.8.*stopping "
+  with pytest.raises(NonFiniteError, match=r"3 consecutive non-finite steps \(6\.\.8.*stopping "
                                                 r"\(train.on_nonfinite=stop\); last checkpoint: step 8"):
-    loop.train(_tiny(**{"train.on_nonfinite": "stop"}), str(tmp_path / "stop"), progress=False, report=False)
+    jobs.train_config(_tiny(**{"train.on_nonfinite": "stop"}), str(tmp_path / "stop"), progress=False, report=False)
   assert any(r.get("event") == "nonfinite_stop" for r in _records(tmp_path / "stop"))
   _poison(monkeypatch, {2, 3, 4})  # nothing saved before the streak: nothing to go back to
-  with pytest.raises(loop.NonFiniteError, match=r"\(2\.\.4.*no checkpoint from before step 2 to restore "
+  with pytest.raises(NonFiniteError, match=r"\(2\.\.4.*no checkpoint from before step 2 to restore "
                                                 r"\(steps on disk: \[4\]\)"):
-    loop.train(_tiny(), str(tmp_path / "early"), progress=False, report=False)
+    jobs.train_config(_tiny(), str(tmp_path / "early"), progress=False, report=False)
   _poison(monkeypatch, set(range(6, 17)))  # restored once at step 9, then 10..12 in a row again
-  with pytest.raises(loop.NonFiniteError, match=r"\(10\.\.12.*already restored 1 times"):
-    loop.train(_tiny(**{"train.max_nonfinite_restores": 1, "train.steps": 16}), str(tmp_path / "again"),
+  with pytest.raises(NonFiniteError, match=r"\(10\.\.12.*already restored 1 times"):
+    jobs.train_config(_tiny(**{"train.max_nonfinite_restores": 1, "train.steps": 16}), str(tmp_path / "again"),
                progress=False, report=False)
 
 
@@ -162,11 +157,6 @@ def test_stop_policy_and_too_many_restores_end_the_run(tmp_path, monkeypatch):
 
 
 def test_kill_points_cover_each_kind_in_run_order():
-  sys.path.insert(0, os.path.join(ROOT, "experiments"))
-  try:
-    import fault_drill
-  finally:
-    sys.path.pop(0)
   plan = fault_drill.plan_kills(5, 30, 4, seed=0)
   assert len(set(plan)) == 5 and {k for k, _ in plan} == set(fault_drill.KINDS)
   assert plan == sorted(plan, key=lambda p: (p[1], fault_drill.KINDS.index(p[0])))
@@ -213,20 +203,20 @@ def _eval_on(mesh: str, run_dir) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("compile_cache")
 def test_a_checkpoint_written_on_cpu_8_evaluates_the_same_on_cpu_1_and_cpu_16_5d(tmp_path):
   cfg = apply_overrides(_tiny(**RESHARD_SETS), ["mesh=meshes/cpu_8.yaml"])
-  loop.train(cfg, str(tmp_path), progress=False, report=False)
-  results = {"cpu_8": loop.evaluate_checkpoint(cfg, str(tmp_path))}
+  jobs.train_config(cfg, str(tmp_path), progress=False, report=False)
+  results = {"cpu_8": jobs.evaluate_checkpoint(cfg, str(tmp_path))}
   for mesh in ("cpu_1", "cpu_16_5d"):
     results[mesh] = _eval_on(mesh, tmp_path)
   ref = results["cpu_8"]
-  assert ref["step"] == 4 and ref["devices"] == 8 and ref["tasks"]["click"]["count"] == 2048
+  assert ref["step"] == 4 and ref["devices"] == 8 and ref["evaluation"]["eval"]["click"]["count"] == 2048
   for mesh, got in results.items():
     assert got["mesh"] == mesh and got["step"] == 4 and not got["checkpoint_fallbacks"]
     # Every leaf restored bit for bit on every layout (the integrity hashes do not depend on the mesh) ...
     assert got["state_fingerprint"] == ref["state_fingerprint"], mesh
     # ... so the metrics differ only by the order of the forward pass's additions on each mesh.
-    for task, metrics in ref["tasks"].items():
+    for task, metrics in ref["evaluation"]["eval"].items():
       for name, value in metrics.items():
-        assert got["tasks"][task][name] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (mesh, task, name)
+        assert got["evaluation"]["eval"][task][name] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), \
+            (mesh, task, name)

@@ -1,16 +1,16 @@
-"""Analytic model FLOPs agree with XLA's cost analysis on unpadded batches; pair counts are exact."""
+"""Model FLOPs derived from traces agree with XLA's cost analysis on unpadded batches and with a direct trace at
+every length; pair and tile counts are exact."""
 
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from gem_jax import configs
 from gem_jax.config import apply_overrides
 from gem_jax.data.batch import Batch
 from gem_jax.jagged import Jagged
-from gem_jax.model.gem import GEM
 from gem_jax.observe import flops
+from gem_jax.run.build import build
 from pallas_kernels.hstu_attention.reference import attention_mask
 
 
@@ -30,13 +30,11 @@ def unpadded_batch(spec, batch_size: int, length: int, seed: int = 0) -> Batch:
                np.ones((b, k), np.float32), np.ones((b,), np.float32), np.zeros((b, k), np.float32))
 
 
-def xla_forward_flops(cfg, batch) -> float:
+def xla_forward_flops(run, batch) -> float:
   # The dense reference attention: XLA's cost analysis counts a while loop's body once, so the tiled
   # path's adaptive work is invisible to it (the kernel benchmark counts that path's pairs instead).
-  cfg = apply_overrides(cfg, ["model.hstu.attn_impl=reference"])
-  graphdef, state = nnx.split(GEM(cfg.data.spec, cfg.model, rngs=nnx.Rngs(0)))
-  fwd = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
-  cost = fwd.lower(state, batch).compile().cost_analysis()
+  fwd = jax.jit(lambda params, batch: run.model(params)(batch))
+  cost = fwd.lower(run.state.params, batch).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return float(cost["flops"])
 
@@ -45,20 +43,39 @@ def xla_forward_flops(cfg, batch) -> float:
 # match holds where matmuls dominate (the shipped CPU default and wider); at the tiny config's 16-wide
 # heads XLA's pointwise ops (mask, bucketing, SiLU) add ~20% on top of the matmuls.
 @pytest.mark.parametrize("name,length", [("small", 64)])
-def test_analytic_flops_match_xla_on_unpadded_batch(name, length):
-  cfg = configs.get(name)
-  batch = unpadded_batch(cfg.data.spec, 16, length)
-  analytic = flops.model_flops(cfg.model, cfg.data.spec, np.full(16, length))
-  executed = xla_forward_flops(cfg, batch)
-  assert abs(executed / analytic - 1) < 0.10, (executed, analytic)
+def test_derived_flops_match_xla_on_unpadded_batch(name, length):
+  run = build(apply_overrides(configs.get(name), ["model.hstu.attn_impl=reference"]))
+  batch = unpadded_batch(run.cfg.data.spec, 16, length)
+  derived = flops.FlopModel(run).forward(np.full(16, length))
+  executed = xla_forward_flops(run, batch)
+  assert abs(executed / derived - 1) < 0.10, (executed, derived)
 
 
-def test_flops_grow_with_real_tokens_only():
-  cfg = configs.get("tiny")
-  a = flops.model_flops(cfg.model, cfg.data.spec, [0, 5, 40])
-  b = flops.model_flops(cfg.model, cfg.data.spec, [0, 5, 32])  # 40 is cut to keep_last[0] = 32
-  assert a == b
-  assert flops.model_flops(cfg.model, cfg.data.spec, [6]) > flops.model_flops(cfg.model, cfg.data.spec, [5])
+@pytest.fixture(scope="module")
+def tiny_model():
+  run = build(configs.get("tiny"), abstract=True)
+  return run, flops.FlopModel(run)
+
+
+def test_flops_grow_with_real_tokens_only(tiny_model):
+  _, model = tiny_model
+  assert model.forward([0, 5, 32]) == model.forward([5, 32, 0])
+  assert model.forward([6]) > model.forward([5])
+  with pytest.raises(ValueError, match="lengths must be in"):
+    model.forward([33])  # longer than the spec's max history
+
+
+def test_the_piecewise_model_is_the_traced_count_at_every_length(tiny_model):
+  """f(n) is rebuilt from a few traces per piece between the model's truncation points (keep_last 32 and
+  16 on tiny); every length gives what a trace of that length counts, and the tiled kernel's rows too."""
+  run, model = tiny_model
+  assert [(p.lo, p.hi) for p in model.pieces] == [(0, 16), (16, 32)]
+  for n in (0, 1, 7, 16, 17, 25, 31, 32):
+    traced, calls, _ = flops.trace_row(run, n)
+    assert model.forward([n]) == pytest.approx(traced, rel=1e-9), n
+    piece = model.pieces[int(np.searchsorted([p.hi for p in model.pieces], n))]
+    assert [round(s * n + b) for _, s, b in piece.calls] == [c.length for c in calls], n
+  assert model.tiled and model.tiled_train([0, 16, 32]) > model.tiled_train([0, 16])
 
 
 @pytest.mark.parametrize("n,c,t", [(1, 0, 0), (7, 0, 0), (7, 2, 1), (3, 2, 1), (9, 3, 1), (2, 2, 0)])
@@ -69,12 +86,11 @@ def test_exact_pair_count_matches_the_mask(n, c, t):
   assert flops.hstu_pairs([n]) == n * n
 
 
-def test_param_counts_split_sparse_and_dense():
-  cfg = configs.get("tiny")
-  counts = flops.param_counts(cfg.model, cfg.data.spec)
-  assert counts["sparse"] == sum(t.vocab_size * t.dim for t in cfg.data.spec.tables)
-  graphdef, params = nnx.split(GEM(cfg.data.spec, cfg.model, rngs=nnx.Rngs(0)), nnx.Param)
-  assert counts["sparse"] + counts["dense"] == sum(x.size for x in jax.tree_util.tree_leaves(params))
+def test_param_counts_split_sparse_and_dense(tiny_model):
+  run, _ = tiny_model
+  counts = flops.param_counts(run)
+  assert counts["sparse"] == sum(t.vocab_size * t.dim for t in run.cfg.data.spec.tables)
+  assert counts["sparse"] + counts["dense"] == sum(x.size for x in jax.tree_util.tree_leaves(run.state.params))
 
 
 def test_tiled_attention_tiles_match_the_kernels_own_count():

@@ -1,40 +1,27 @@
-"""experiments/fp8_probe.py and experiments/fp8_parity.py run end to end on the tiny config.
+"""The FP8 probe and parity jobs (gem_jax/bench/fp8_probe.py, fp8_parity.py: what experiments/fp8_probe.py
+and experiments/fp8_parity.py run) end to end on the tiny config, and the FP8 GEMM bench.
 
 The parity numbers themselves (the 0.5% NE criterion) come from `fp8_parity.py --quick`, which takes
 minutes; here a few tiny steps check that every policy trains and every reported field is filled.
-Compiles dominate the time on CPU; a persistent compilation cache (compile_cache) serves the programs
+Compiles dominate the time on CPU; the session's persistent compilation cache (tests/conftest.py) serves the programs
 a script compiles twice (fp8_probe's second probe.end_to_end) or that several tests compile (the tiny
 bf16 train step of the parity run, test_parity_step_memory and the bench's step table).
 """
 
-import importlib.util
-import json
 import math
 import pathlib
 
-import jax
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from gem_jax import configs
+from gem_jax.bench import fp8_parity, fp8_probe
+from gem_jax.config import apply_overrides
 
-
-# The persistent compilation cache while this module runs (tests/conftest.py, compile_cache).
-pytestmark = pytest.mark.usefixtures("compile_cache")
-
-
-def load(name):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 @pytest.mark.slow
-def test_probe_script_writes_rows_and_a_usable_proposal(tmp_path, capsys):
-  out = tmp_path / "probe.json"
-  assert load("fp8_probe").main(["--config", "tiny", "--batches", "1", "--sites", "layers.0.hstu.*",
-                                 "--out", str(out)]) == 0
-  data = json.loads(out.read_text())
+def test_probe_gives_rows_and_a_usable_proposal(capsys):
+  data = fp8_probe.probe_run(configs.get("tiny"), batches=1, sites="layers.0.hstu.*")
   assert {r["site"] for r in data["sites"]} == {"layers.0.hstu.uvqk", "layers.0.hstu.out"}
   for r in data["sites"]:
     assert all(math.isfinite(v) for q in r["snr_db"].values() for v in q.values())
@@ -46,16 +33,14 @@ def test_probe_script_writes_rows_and_a_usable_proposal(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_parity_script_trains_every_policy_and_reports(tmp_path):
+def test_parity_trains_every_policy_and_reports(tmp_path):
   # tiny's own schedule (20 steps, warmup 2): the learning-rate schedule is compiled into the train step,
   # so the bf16 run's step is then the very program test_parity_step_memory and the bench's step table
   # compile (one compile for the three, through compile_cache). One checkpoint per run, as with 6 steps;
   # the 14 more tiny steps cost well under a second a policy.
-  out = tmp_path / "parity.json"
-  assert load("fp8_parity").main(["--config", "tiny", "--policies", "bf16,fp8", "--set", "train.eval_every=100",
-                                  "--set", "train.checkpoint_every=100", "--set", "model.precision.min_dim=16",
-                                  "--out", str(out)]) == 0
-  data = json.loads(out.read_text())
+  cfg = apply_overrides(configs.get("tiny"), ["train.eval_every=100", "train.checkpoint_every=100",
+                                               "model.precision.min_dim=16"])
+  data = fp8_parity.parity(cfg, ["bf16", "fp8"], str(tmp_path / "runs"), str(tmp_path / "parity.json"))
   assert data["baseline"] == "bf16" and set(data["policies"]) == {"bf16", "fp8"}
   for name, r in data["policies"].items():
     assert set(r["rel_ne_gap"]) == {"click", "conversion"}
@@ -71,14 +56,8 @@ def test_parity_script_trains_every_policy_and_reports(tmp_path):
 def test_parity_step_memory():
   """--memory's per-policy numbers: the compiled train step's memory analysis (one policy, one compile;
   tiny's bf16 step, which the parity test's bf16 run has usually compiled into compile_cache already)."""
-  parity = load("fp8_parity")
-  from gem_jax import configs
-  from gem_jax.data import pipeline
-  from gem_jax.data.synthetic import SyntheticAdsStream
-  cfg = parity.with_policy(configs.get("tiny"), "bf16")  # the analysis is the same code for every policy
-  spec = cfg.data.spec
-  batch = pipeline.pack(SyntheticAdsStream(spec, cfg.data.synthetic).block(0, 32), spec, cfg.data.pipeline)
-  mem = parity.step_memory(cfg, batch)
+  cfg = fp8_parity.with_policy(configs.get("tiny"), "bf16")  # the analysis is the same code for every policy
+  mem = fp8_parity.step_memory(cfg)
   assert mem["temp_size_in_bytes"] > 0 and mem["argument_size_in_bytes"] > 0
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gem_jax.precision import mx
+from pallas_kernels import mx
 from pallas_kernels.fp8_gemm import pallas as fp8_pallas
 from pallas_kernels.fp8_gemm import reference
 

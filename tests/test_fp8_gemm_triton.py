@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from gem_jax.precision import mx  # noqa: E402
+from pallas_kernels import mx  # noqa: E402
 from pallas_kernels.fp8_gemm import reference  # noqa: E402
 from pallas_kernels.fp8_gemm import triton as fp8_triton  # noqa: E402
 

@@ -46,7 +46,7 @@ def test_mesh_sweep_acceptance(tmp_path):
   from gem_jax.config import apply_overrides
   from gem_jax.observe.simulate import simulate
   from gem_jax.parallel import mesh as mesh_lib
-  from tests.test_simulate import assert_matches_hlo
+  from tests.run_helpers import assert_matches_hlo
   cfg = apply_overrides(configs.get("tiny"), ["data.pipeline.batch_size=256"])
   for name in ("cpu_8", "cpu_16_5d"):
     sim = simulate(cfg, mesh_lib.load(os.path.join(ROOT, "meshes", f"{name}.yaml")))

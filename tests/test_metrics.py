@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from gem_jax.train import metrics
+from gem_jax import metrics
 
 
 # ---- brute force ------------------------------------------------------------------------------------

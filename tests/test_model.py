@@ -97,7 +97,7 @@ def test_fm_fast_form_equals_naive():
 
 
 def test_wukong_residual_projection_only_when_count_changes(model):
-  same = nnx.eval_shape(lambda: wukong.WukongLayer(7, CFG, rngs=nnx.Rngs(0)))  # 7 == fm_outputs + lcb_outputs
+  same = nnx.eval_shape(lambda: wukong.WukongLayer(7, CFG, site="w", rngs=nnx.Rngs(0)))  # 7 == fm_outputs + lcb_outputs
   assert same.residual is None
   other = model.layers[0].wukong  # 8 sparse + 1 dense + 4 summary embeddings in
   assert other.num_inputs == 13 and other.residual is not None
@@ -105,6 +105,16 @@ def test_wukong_residual_projection_only_when_count_changes(model):
   assert jax.jit(lambda x: other(x))(x).shape == (2, 7, CFG.embed_dim)
   with pytest.raises(ValueError, match="expects 13"):
     other(x[:, :7])
+
+
+def test_every_dense_site_is_its_module_path(model):
+  """A Dense layer's site (what precision rules match and the probe reports) is its path in the module
+  tree, so a rule written against a printed model reaches the layer it names."""
+  from gem_jax.model.layers import Dense, dense_sites
+  paths = {".".join(str(p) for p in path): m for path, m in nnx.iter_modules(model) if isinstance(m, Dense)}
+  sites = dict(dense_sites(model))
+  assert sites.keys() == paths.keys() and all(sites[k] is paths[k] for k in paths)
+  assert {"token_proj", "heads.trunk", "layers.0.hstu.uvqk", "layers.1.wukong.fm_mlp_in"} <= set(sites)
 
 
 def test_embedding_lookups(model):

@@ -2,8 +2,9 @@
 
 The one-process run also writes the efficiency report, which is checked like a user's cpu_8 run.
 
-Both runs are experiments/train.py subprocesses on meshes/cpu_8.yaml (fsdp spans the two processes), with
-their environment set explicitly: the 8-device XLA_FLAGS of conftest.py would give every process 8.
+The two processes are experiments/train.py subprocesses on meshes/cpu_8.yaml (fsdp spans them), with their
+environment set explicitly: the 8-device XLA_FLAGS of conftest.py would give every process 8. The
+one-process reference runs in this test process (8 CPU devices, conftest.py) while they train.
 """
 
 import json
@@ -17,9 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gem_jax import configs
+from gem_jax.config import apply_overrides
 from gem_jax.parallel import distributed
 from gem_jax.parallel.distributed import ProcessSetup
-from tests.test_report import check_run_report
+from gem_jax.train import jobs
+from tests.run_helpers import check_run_report
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -77,13 +81,20 @@ def _records(out: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_two_processes_train_what_one_process_trains(tmp_path):
+def test_two_processes_train_what_one_process_trains(tmp_path, capsys):
   one, two = tmp_path / "one", tmp_path / "two"
   port = _free_port()
   multi = ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--local-devices", "4"]
   procs = [_launch(two, tmp_path / f"two_p{i}.log", *multi, "--process-id", str(i), "--no-report")
            for i in (0, 1)]
-  procs.append(_launch(one, tmp_path / "one.log"))   # with the efficiency report, as a user's run
+  try:   # the reference, with the efficiency report as a user's run has it
+    cfg = apply_overrides(configs.get("tiny"), [f"{k}={v}" for k, v in SETS.items()] + ["mesh=meshes/cpu_8.yaml"])
+    jobs.train_config(cfg, str(one), progress=False)
+  except BaseException:
+    for p, _ in procs:
+      p.kill()
+    raise
+  (tmp_path / "one.log").write_text(capsys.readouterr().out)
   _wait_all(procs)
   check_run_report(one, num_devices=8, log=tmp_path / "one.log")
   assert not (two / "report.json").exists()

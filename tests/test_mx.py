@@ -1,4 +1,4 @@
-"""gem_jax.precision.mx against a scalar OCP MX v1.0 reference written here with exact rational arithmetic.
+"""pallas_kernels.mx against a scalar OCP MX v1.0 reference written here with exact rational arithmetic.
 
 The reference never touches float8 dtypes or float arithmetic: amax, the shared exponent, the rounding
 of each element (nearest, ties to even, saturating) and the decoding of float8 bit patterns are done on
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gem_jax.precision import mx
+from pallas_kernels import mx
 
 # name -> (dtype, mantissa bits, min normal exponent, emax, max normal)
 FORMATS = {

@@ -9,8 +9,8 @@ import optax
 import pytest
 from flax import nnx
 
-from gem_jax.train import optim
-from gem_jax.train.config import TrainConfig
+from gem_jax.run import optim
+from gem_jax.config import TrainConfig
 
 
 class Table(nnx.Param):

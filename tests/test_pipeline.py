@@ -6,7 +6,6 @@ import jax
 import numpy as np
 import pytest
 
-from gem_jax.data.batch import Examples
 from gem_jax.data.pipeline import (PipelineConfig, bucket_counts, eval_batches, make_iterator, pack,
                                    padding_stats, pick_bucket, train_dataset)
 from gem_jax.data.spec import ads_feature_spec

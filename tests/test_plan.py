@@ -1,8 +1,7 @@
-"""The mesh planner (gem_jax/observe/plan.py), its CLI, the simulator's reusable model shapes and re-timing,
-and experiments/simulate_cluster.py. Small configs on 16 devices: a plan takes a few seconds."""
+"""The mesh planner (gem_jax/observe/plan.py), its output and commands (gem_jax/observe/cluster_text.py), the
+simulator's reusable model shapes and re-timing. Small configs on 16 devices: a plan takes a few seconds."""
 
 import dataclasses
-import importlib.util
 import itertools
 import json
 import math
@@ -12,19 +11,13 @@ import pytest
 
 from gem_jax import configs
 from gem_jax.config import apply_overrides
+from gem_jax.observe import cluster_text
 from gem_jax.observe import plan as plan_lib
 from gem_jax.observe import simulate as sim_lib
 from gem_jax.parallel import mesh as mesh_lib
 from gem_jax.parallel.rules import DATA_AXES, MESH_AXES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _script(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "experiments", f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +33,8 @@ def small_plan(small):
 
 
 def test_enumeration_yields_only_valid_layouts(small):
-  cfg, _ = small
-  batch, widths = cfg.data.pipeline.batch_size, plan_lib.tensor_widths(cfg.model)
+  cfg, shapes = small
+  batch, widths = cfg.data.pipeline.batch_size, plan_lib.tensor_widths(shapes.params)
   got = list(plan_lib.layouts(cfg, 64, "h200"))
   assert got
   for lay in got:
@@ -104,7 +97,7 @@ def test_a_layout_that_does_not_fit_is_never_ranked_first(small, small_plan):
 
 def test_written_mesh_loads_and_round_trips(small_plan, tmp_path):
   p = small_plan
-  text = plan_lib.to_yaml(p, p.best, "plan_small_16", "python experiments/plan_mesh.py ...")
+  text = cluster_text.to_yaml(p, p.best, "plan_small_16", "python experiments/plan_mesh.py ...")
   path = tmp_path / "plan_small_16.yaml"
   path.write_text(text)
   spec = mesh_lib.load(path)
@@ -120,7 +113,7 @@ def test_written_mesh_loads_and_round_trips(small_plan, tmp_path):
 def test_table_rows_rule_is_written_and_read(small_plan, tmp_path):
   wide = next(s for s in small_plan.ranked if s.layout.table_rows == ("fsdp", "sparse"))
   path = tmp_path / "wide.yaml"
-  path.write_text(plan_lib.to_yaml(small_plan, wide, "wide"))
+  path.write_text(cluster_text.to_yaml(small_plan, wide, "wide"))
   assert dict(mesh_lib.load(path).rules)["table_rows"] == ("fsdp", "sparse")
 
 
@@ -130,11 +123,11 @@ def test_naive_baselines_and_table_are_reported(small_plan):
   naive = plan_lib.naive_layouts(16, "h200")
   assert naive["all fsdp"].sizes == (1, 16, 1, 1, 1) and naive["all fsdp"].table_rows == ("fsdp",)
   assert naive["sparse across nodes"].sizes == (1, 8, 2, 1, 1) and naive["sparse across nodes"].intra[1] == 8
-  lines = plan_lib.table(p, 5)
+  lines = cluster_text.table(p, 5)
   assert len(lines) == 2 + 5 + len(p.baselines) and "naive: all fsdp" in lines[-2]
-  text = "\n".join(plan_lib.explain(p))
+  text = "\n".join(cluster_text.explain(p))
   assert "Speedup of plan 1 over the best naive layout that fits" in text
-  out = plan_lib.to_json(p, 3)
+  out = cluster_text.to_json(p, 3)
   assert len(out["ranked"]) == 3 and out["speedup_over_best_fitting_baseline"] >= 1.0
   json.dumps(out)
 
@@ -172,10 +165,9 @@ def test_model_shapes_are_reused_without_changing_results(small):
     sim_lib.retime(sim, spec)
 
 
-def test_plan_mesh_main_writes_a_loadable_mesh(tmp_path, capsys):
-  cli = _script("plan_mesh")
-  out = cli.main(["--config", "tiny", "--devices", "16", "--hardware", "h100", "--top", "3",
-                  "--out-mesh", str(tmp_path / "plan_tiny_16.yaml"), "--json", str(tmp_path / "plan.json")])
+def test_plan_mesh_writes_a_loadable_mesh(tmp_path, capsys):
+  out = cluster_text.plan_mesh(configs.get("tiny"), 16, plan_lib.get_preset("h100"), top=3,
+                               out_mesh=str(tmp_path / "plan_tiny_16.yaml"), json_path=str(tmp_path / "plan.json"))
   printed = capsys.readouterr().out
   assert "| 1 " in printed and "naive: all fsdp" in printed and "wall time" in printed
   spec = mesh_lib.load(tmp_path / "plan_tiny_16.yaml")
@@ -183,11 +175,11 @@ def test_plan_mesh_main_writes_a_loadable_mesh(tmp_path, capsys):
   assert json.loads((tmp_path / "plan.json").read_text())["ranked"][0] == out["ranked"][0]
 
 
-def test_simulate_cluster_main_on_a_cpu_mesh(tmp_path, capsys):
-  cli = _script("simulate_cluster")
+def test_simulate_cluster_on_a_cpu_mesh(tmp_path, capsys):
   out_path = tmp_path / "sim.json"
-  sim = cli.main(["--config", "tiny", "--mesh", os.path.join(ROOT, "meshes", "cpu_8.yaml"), "--out", str(out_path),
-                  "--batch-size", "256"])
+  cpu8 = os.path.join(ROOT, "meshes", "cpu_8.yaml")
+  sim = cluster_text.simulate_cluster(configs.get("tiny"), mesh_lib.load(cpu8), str(out_path), mesh_file=cpu8,
+                                      batch_size=256)
   printed = capsys.readouterr().out
   saved = json.loads(out_path.read_text())
   assert saved["time"] is None and saved["mfu"] is None and saved["devices"] == 8

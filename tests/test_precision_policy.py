@@ -2,7 +2,7 @@
 
 Compiling a tiny GEM's forward + backward takes ~10-30 s on CPU, so the expensive programs are shared:
 one model (shared_model), one float32 value-and-gradient at init (reference), one probe capture
-(captured), and a persistent compilation cache (compile_cache), from which the second probe.end_to_end
+(captured), and the session's persistent compilation cache (tests/conftest.py), from which the second probe.end_to_end
 call of a test loads the program the first call compiled instead of compiling it again.
 """
 
@@ -23,6 +23,7 @@ from gem_jax.data import pipeline
 from gem_jax.data.synthetic import SyntheticAdsStream
 from gem_jax.model.gem import GEM
 from gem_jax.model.heads import multitask_loss
+from gem_jax.model.layers import dense_sites
 from gem_jax.precision import fp8, policy, probe
 from gem_jax.precision.policy import PrecisionConfig
 
@@ -42,26 +43,38 @@ def with_precision(cfg, **kw):
 
 @pytest.fixture(scope="module")
 def shared_model(tiny):
-  """One tiny GEM for the tests below (building one takes seconds); each test sets its own policy with
-  policy.apply, which is also how a policy reaches a model without touching model code."""
+  """One tiny GEM in float32 (policy "none") for the tests below; building one takes seconds. A test that
+  needs another policy's recipes sets them at call time (policy.probing's `recipes`, `recipes_of`), the
+  same override the probe uses; the recipes a config gives at build are checked on abstract models."""
   cfg, _ = tiny
   return GEM(cfg.data.spec, cfg.model, rngs=nnx.Rngs(0))
 
 
-def using(model, **kw):
-  policy.apply(model, PrecisionConfig(**kw))
-  return model
+def recipes_of(model, **kw) -> dict:
+  """{site: recipe} that PrecisionConfig(**kw) resolves for each Dense site of `model`."""
+  pc = PrecisionConfig(**kw)
+  return {site: policy.resolve(site, d.in_features, d.out_features, pc) for site, d in dense_sites(model)}
 
 
-# The persistent compilation cache while this module runs (tests/conftest.py, compile_cache).
-pytestmark = pytest.mark.usefixtures("compile_cache")
+def built_recipes(cfg, **kw) -> dict:
+  """{site: recipe} of a GEM built (abstractly: nothing allocated) under PrecisionConfig(**kw)."""
+  model = nnx.eval_shape(lambda: GEM(cfg.data.spec, with_precision(cfg, **kw), rngs=nnx.Rngs(0)))
+  return {site: d.recipe for site, d in dense_sites(model)}
 
 
-def value_and_grad_fn(model, spec):
-  """(jitted (params, batch) -> (loss, grads), graphdef, params, rest) of the model with the recipes it
-  has now."""
+def loss_fn(spec):
+  return lambda model, batch: multitask_loss(model(batch), batch, spec)[0]
+
+
+
+def value_and_grad_fn(model, spec, recipes=None):
+  """(jitted (params, batch) -> (loss, grads), graphdef, params, rest) of the model with its sites under
+  `recipes` (None: the recipes it was built with)."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  f = lambda p, b: multitask_loss(nnx.merge(graphdef, p, rest)(b), b, spec)[0]
+
+  def f(p, b):
+    with policy.probing({}, recipes=recipes):
+      return loss_fn(spec)(nnx.merge(graphdef, p, rest), b)
   return jax.jit(jax.value_and_grad(f)), graphdef, params, rest
 
 
@@ -70,19 +83,19 @@ def reference(tiny, shared_model):
   """The float32 (policy "none") loss and parameter gradients at init, and the graphdef / rest to merge
   the gradients into a model: one compile for the two tests that compare against it."""
   cfg, batch = tiny
-  grad_fn, graphdef, params, rest = value_and_grad_fn(using(shared_model, policy="none"), cfg.data.spec)
+  grad_fn, graphdef, params, rest = value_and_grad_fn(shared_model, cfg.data.spec)
   loss, grads = grad_fn(params, batch)
   return loss, grads, graphdef, rest
 
 
 @pytest.fixture(scope="module")
-def captured(tiny, shared_model):
-  """probe.capture of the shared model on the tiny batch, taken while the model runs all-MXFP8: the
-  capture must switch every site to high precision and restore the recipes afterwards (returned too)."""
+def captured(tiny):
+  """probe.capture on the tiny batch of a model built all-MXFP8 (the same parameters as shared_model: same
+  seed): the capture must run every site in high precision whatever the model was built with."""
   cfg, batch = tiny
-  model = using(shared_model, policy="mxfp8")
-  caps = probe.capture(model, [batch], cfg.data.spec)
-  return caps, {site: d.recipe for site, d in policy.dense_sites(model)}
+  model = GEM(cfg.data.spec, with_precision(cfg, policy="mxfp8"), rngs=nnx.Rngs(0))
+  assert {d.recipe for _, d in dense_sites(model)} == {"mxfp8"}
+  return probe.capture(model, dense_sites(model), [batch], loss_fn(cfg.data.spec))
 
 
 def test_resolution_order_and_size_threshold():
@@ -118,14 +131,10 @@ def test_command_line_overrides_reach_the_policy():
 
 
 def test_policy_changes_sites_without_model_code_changes(tiny, shared_model):
-  cfg, batch = tiny
-  by_policy = {}
-  for name in ("none", "bf16", "fp8", "mxfp8"):
-    model = using(shared_model, policy=name, min_dim=32)
-    by_policy[name] = {site: d.recipe for site, d in policy.dense_sites(model)}
-  # Built from the config, a model gets the same recipes.
-  built = GEM(cfg.data.spec, with_precision(cfg, policy="fp8", min_dim=32), rngs=nnx.Rngs(0))
-  assert {site: d.recipe for site, d in policy.dense_sites(built)} == by_policy["fp8"]
+  cfg, _ = tiny
+  by_policy = {name: built_recipes(cfg, policy=name, min_dim=32) for name in ("none", "bf16", "fp8", "mxfp8")}
+  # The call-time override resolves the same recipes as a build does.
+  assert recipes_of(shared_model, policy="fp8", min_dim=32) == by_policy["fp8"]
   sites = set(by_policy["none"])
   assert {"token_proj", "heads.trunk", "layers.0.hstu.uvqk", "layers.1.wukong.fm_mlp_in"} <= sites
   assert set(by_policy["none"].values()) == {None}
@@ -137,12 +146,11 @@ def test_policy_changes_sites_without_model_code_changes(tiny, shared_model):
 
 
 def test_dense_under_a_recipe_is_the_fp8_dot_plus_bias(shared_model):
-  model = using(shared_model, policy="mxfp8")
-  dense = model.heads.trunk
+  dense = shared_model.heads.trunk
   x = jax.random.normal(jax.random.key(0), (5, dense.in_features))
   want = fp8.matmul(x, dense.kernel[...], "mxfp8", "emulate") + dense.bias[...][None]
-  np.testing.assert_array_equal(np.asarray(dense(x)), np.asarray(want))
-  dense.recipe = None
+  with policy.probing({}, recipes={"heads.trunk": "mxfp8"}):
+    np.testing.assert_array_equal(np.asarray(dense(x)), np.asarray(want))
   np.testing.assert_allclose(np.asarray(dense(x)), np.asarray(x @ dense.kernel[...] + dense.bias[...][None]),
                              rtol=1e-5, atol=1e-5)
 
@@ -155,7 +163,7 @@ def test_fp8_model_forward_and_gradients_track_float32(tiny, shared_model, refer
   spec = cfg.data.spec
 
   def loss_and_grad(name):
-    grad_fn, _, params, _ = value_and_grad_fn(using(shared_model, policy=name), spec)
+    grad_fn, _, params, _ = value_and_grad_fn(shared_model, spec, recipes_of(shared_model, policy=name))
     return grad_fn(params, batch)
 
   def snr(grads, ref):
@@ -173,7 +181,7 @@ def test_fp8_model_forward_and_gradients_track_float32(tiny, shared_model, refer
 
 def test_probe_capture_gives_each_sites_input_and_output_gradient(captured, reference):
   """x^T g of a captured site is the loss gradient of that site's kernel (chain rule)."""
-  caps, recipes_after = captured
+  caps = captured
   _, grads, graphdef, rest = reference  # float32: what the capture runs in, whatever the model's policy
   grad_model = nnx.merge(graphdef, grads, rest)
   for site, module in (("heads.trunk", grad_model.heads.trunk), ("layers.0.hstu.uvqk", grad_model.layers[0].hstu.uvqk),
@@ -183,13 +191,10 @@ def test_probe_capture_gives_each_sites_input_and_output_gradient(captured, refe
     assert x.shape[1] == module.in_features and g.shape == (x.shape[0], module.out_features)
     np.testing.assert_allclose(x.T @ g, np.asarray(module.kernel[...]), rtol=2e-4,
                                atol=2e-6 * np.abs(x.T @ g).max())
-  # The model's recipes (all-MXFP8 while `captured` ran) are restored after the capture.
-  assert set(recipes_after.values()) == {"mxfp8"}
 
 
-def test_probe_snr_and_proposal(shared_model, captured):
-  model = shared_model
-  caps = {s: captured[0][s] for s in ("layers.0.hstu.uvqk", "heads.trunk")}
+def test_probe_snr_and_proposal(tiny, captured):
+  caps = {s: captured[s] for s in ("layers.0.hstu.uvqk", "heads.trunk")}
   rows = probe.measure(caps, recipes=("mxfp8", "tensorwise"))
   for row in rows:
     snr = row["snr_db"]
@@ -199,10 +204,9 @@ def test_probe_snr_and_proposal(shared_model, captured):
   assert set(probe.propose(rows, threshold_db=60).values()) == {"bf16"}
   chosen = probe.propose(rows, threshold_db=10, preference=("tensorwise", "mxfp8"))
   assert set(chosen.values()) == {"tensorwise"}
-  # The proposal is a config: applying it sets exactly those recipes.
-  pc = PrecisionConfig(policy="bf16", rules=probe.as_rules(chosen))
-  policy.apply(model, pc)
-  assert {s: d.recipe for s, d in policy.dense_sites(model) if s in chosen} == chosen
+  # The proposal is a config: a model built with it has exactly those recipes.
+  built = built_recipes(tiny[0], policy="bf16", rules=probe.as_rules(chosen))
+  assert {s: r for s, r in built.items() if s in chosen} == chosen
   assert "heads.trunk" in probe.table(rows, chosen)
 
 
@@ -216,11 +220,11 @@ def test_snr_db_edge_cases():
 def test_end_to_end_probe_switches_sites_at_run_time(tiny, shared_model):
   cfg, batch = tiny
   spec = cfg.data.spec
-  model = using(shared_model, policy="none")
-  e2e = probe.end_to_end(model, [batch], spec, "mxfp8_rceil",
+  model, sites = shared_model, dense_sites(shared_model)
+  e2e = probe.end_to_end(model, sites, [batch], loss_fn(spec), "mxfp8_rceil",
                          sets={"nothing": [], "uvqk": ["layers.0.hstu.uvqk"]})
   singles = {s: r["grad_snr_db"] for s, r in e2e["sites"].items()}
-  assert set(singles) == {s for s, _ in policy.dense_sites(model)}
+  assert set(singles) == {s for s, _ in sites}
   assert e2e["sets"]["nothing"]["grad_snr_db"] == float("inf")       # nothing swapped: identical grads
   assert e2e["sets"]["uvqk"]["grad_snr_db"] == singles["layers.0.hstu.uvqk"]
   assert all(5.0 < v < 60.0 for v in singles.values())
@@ -231,7 +235,6 @@ def test_end_to_end_probe_switches_sites_at_run_time(tiny, shared_model):
   chosen = probe.propose_end_to_end(e2e, flops, target)
   predicted = -10 * np.log10(sum(10 ** (-singles[s] / 10) for s in chosen))
   assert chosen and predicted >= target
-  measured = probe.end_to_end(model, [batch], spec, "mxfp8_rceil", sets={"p": chosen}, singles=False)
+  measured = probe.end_to_end(model, sites, [batch], loss_fn(spec), "mxfp8_rceil", sets={"p": chosen},
+                              singles=False)
   assert abs(measured["sets"]["p"]["grad_snr_db"] - predicted) < 2.0
-  # The model's own recipes are untouched.
-  assert {d.recipe for _, d in policy.dense_sites(model)} == {None}

@@ -6,34 +6,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from gem_jax import configs
-from gem_jax.config import apply_overrides
 from gem_jax.data import pipeline
-from gem_jax.model.gem import GEM
 from gem_jax.observe import flops, report
-from gem_jax.train.optim import make_optimizer
-from gem_jax.train.step import init_state, make_train_step
+from gem_jax.run.build import build
 from tests.data_helpers import make_examples
+from tests.run_helpers import tiny
 
 B = 4
 
 
 @pytest.mark.slow   # one train-step compile: ~40 s CPU
-def test_analytic_flops_match_xla_and_padding_waste_is_the_padded_fraction():
+def test_derived_flops_match_xla_and_padding_waste_is_the_padded_fraction():
   # Dense reference attention: the tiled "xla" impl is a while loop whose body XLA counts once.
   # Wider than tiny (D=128, 64-wide heads): at tiny's 16-wide heads XLA's pointwise ops (mask, bias
-  # buckets, SiLU, norms) add ~20% to the matmuls, which the analytic count leaves out by design
-  # (tiny, same batch: executed - optimizer = 1.175 x analytic, optimizer 1.5e6 of 16.1e6 FLOPs).
-  cfg = apply_overrides(configs.get("tiny"), [
-      "model.hstu.attn_impl=reference", f"data.pipeline.batch_size={B}", "model.model_dim=128",
-      "model.hstu.head_dim=64", "model.hstu.value_dim=64"])
+  # buckets, SiLU, norms) add ~20% to the matmuls, which the model count leaves out by design.
+  cfg = tiny("model.hstu.attn_impl=reference", f"data.pipeline.batch_size={B}", "model.model_dim=128",
+             "model.hstu.head_dim=64", "model.hstu.value_dim=64")
   spec, L = cfg.data.spec, cfg.data.spec.sequence.max_len
-  model = GEM(spec, cfg.model, rngs=nnx.Rngs(0))
-  optimizer = make_optimizer(cfg.train, nnx.state(model, nnx.Param))
-  graphdef, rest, state = init_state(model, optimizer)
-  step = make_train_step(graphdef, rest, optimizer, spec)
+  run = build(cfg)
+  flop_model = flops.FlopModel(run)
 
   # Unpadded: every row holds max_len >= every keep_last tokens and the capacity is exactly B x max_len.
   full = pipeline.pack(make_examples(spec, np.random.default_rng(0), B, np.full(B, L)), spec, cfg.data.pipeline)
@@ -44,18 +36,18 @@ def test_analytic_flops_match_xla_and_padding_waste_is_the_padded_fraction():
   shapes = lambda b: jax.tree_util.tree_map(np.shape, b)
   assert shapes(full) == shapes(padded)
 
-  compiled = step.lower(state, full).compile()
+  compiled = run.train_step.lower(run.state, run.device_batch(full)).compile()
   executed = report.executed_flops(compiled)
-  opt = report.optimizer_flops(optimizer, state.params, state.opt_state)
+  opt = report.optimizer_flops(run.optimizer, run.state.params, run.state.opt_state)
   assert executed and opt and 0 < opt < executed
-  model_full = report.TRAIN_FLOPS_FACTOR * flops.model_flops(cfg.model, spec, np.full(B, L))
+  model_full = flop_model.train(np.full(B, L))
   assert abs((executed - opt) / model_full - 1) < 0.10, (executed, opt, model_full)
 
   common = dict(step_times_s=[1.0], num_devices=1, examples_per_step=B, executed_flops_per_step=executed,
                 optimizer_flops_per_step=opt, peak_flops_per_device=1e12)
   r_full = report.build(model_flops_per_step=model_full, **common)
   assert abs(r_full["padding_waste"]) < 0.10
-  model_short = report.TRAIN_FLOPS_FACTOR * flops.model_flops(cfg.model, spec, short)
+  model_short = flop_model.train(short)
   r_pad = report.build(model_flops_per_step=model_short, **common)
   # The padded fraction in FLOPs: the work of the real rows vs the work of full rows (tokens alone miss
   # the quadratic attention and the per-row work that padding does not change).
@@ -131,53 +123,3 @@ def test_measured_gemm_peak_and_dynamic_loop_note():
                    compiled=loop, peak_flops_per_device=None, measure_peak=True)
   assert r["peak_source"] == "measured GEMM" and r["peak_flops_per_device"] > 0
   assert any("while loop" in n for n in r["notes"])
-
-
-# ------------------------------------------------------------------------------- a training run's report
-
-RUN_NUMBERS = ("model_tflops_per_step", "executed_tflops_per_step", "optimizer_tflops_per_step", "padding_waste",
-               "mfu", "hfu", "peak_flops_per_device", "step_time_s", "examples_per_s", "compile_s", "local_mfu",
-               "scaling_efficiency", "time_to_first_step_s")
-
-
-def check_run_report(out_dir, num_devices: int, log=None) -> dict:
-  """What experiments/train.py promises in a run folder: report.json with numbers (no placeholders) for
-  every key, the PNGs, and (log given) the console table in the run's output."""
-  import json
-  import math
-  out_dir = str(out_dir)
-  with open(os.path.join(out_dir, "report.json")) as f:
-    r = json.load(f)
-  assert set(report.KEYS) <= set(r), set(report.KEYS) - set(r)
-  for key in RUN_NUMBERS:
-    assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), (key, r[key])
-  assert r["num_devices"] == num_devices
-  assert 0 < r["mfu"] <= r["hfu"] and -0.2 < r["padding_waste"] < 1, r
-  assert r["peak_source"] in ("mesh file", "measured GEMM")
-  imb = r["rank_imbalance"]
-  assert 1.0 <= imb["balanced"] <= imb["random"], imb
-  comm = r["comm_bytes_per_step"]
-  assert set(comm) == {"by_kind", "by_axis", "total"}
-  if num_devices > 1:
-    assert comm["total"] > 0 and comm["by_axis"] and comm["by_kind"], comm
-    assert r["one_device_baseline"]["step_time_s"] > 0
-  else:
-    assert comm["total"] == 0 and r["scaling_efficiency"] == 1.0
-  memory = r["memory_bytes_per_device"]
-  assert memory["argument"] > 0 and memory["temp"] > 0, memory
-  breakdown = r["step_breakdown"]
-  assert "unavailable" in breakdown or breakdown["compute_s"] > 0, breakdown
-  if num_devices > 1 and "unavailable" not in breakdown:
-    assert breakdown["collective_s"] > 0, breakdown
-  assert len(r["history"]["loss"]) == len(r["history"]["mfu"]) > 0
-  expected = {"loss.png", "mfu.png", "step_time_s.png", "rank_imbalance.png", "memory_by_kind.png"}
-  if num_devices > 1:
-    expected.add("comm_by_axis.png")
-  assert {os.path.basename(p) for p in r["plots"]} == expected
-  for p in r["plots"]:
-    with open(os.path.join(out_dir, p), "rb") as f:
-      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-  if log is not None:
-    text = open(log).read()
-    assert "efficiency report" in text and "padding_waste" in text and "scaling_efficiency" in text
-  return r

@@ -14,11 +14,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from gem_jax import configs, metrics
+from gem_jax.check import ConfigError
+from gem_jax.config import apply_overrides
 from gem_jax.data import seqrec as data
+from gem_jax.data import seqrec_source
+from gem_jax.data.seqrec_source import SeqRecDataConfig
 from gem_jax.jagged import Jagged
 from gem_jax.model.seqrec import SeqRecModel, SeqRecModelConfig
-from gem_jax.train import metrics
-from gem_jax.train import seqrec
+from gem_jax.run import next_item
+from gem_jax.run.build import build
+from gem_jax.run.next_item import NextItemConfig
+from gem_jax.train import jobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIR = os.environ.get("GEM_JAX_DATA_DIR", os.path.normpath(os.path.join(ROOT, "..", "shared", "data")))
@@ -193,11 +200,12 @@ def test_sampled_softmax_loss_matches_numpy_with_accidental_hits_and_logq():
   user = rng.normal(size=(T, D)).astype(np.float32)
   table = rng.normal(size=(I + 1, D)).astype(np.float32)
   targets = np.array([1, 2, 3, 3, 5, 0, 0], np.int32)
-  negatives, logq_neg, logq_pos = seqrec.sample_negatives(rng, targets, I, uniform=5, in_batch=4)
+  negatives, logq_neg, logq_pos = seqrec_source.sample_negatives(rng, targets, I, uniform=5, in_batch=4)
   assert negatives.shape == (9,) and np.all(np.isin(negatives[5:], targets[targets > 0]))
   # expected count: 5 / I uniform + 4 * (share of the item among the 5 targets)
   assert logq_pos[2] == pytest.approx(np.log(5 / I + 4 * 2 / 5)) and logq_pos[5] == 0
-  got = float(seqrec.sampled_softmax_loss(user, table, targets, negatives, logq_neg, logq_pos, 0.5))
+  got = float(next_item.mean_loss(next_item.sampled_softmax_loss_sums, user, table, targets, negatives, logq_neg,
+                                  logq_pos, 0.5))
   want = []
   for t in range(5):
     logits = [user[t] @ table[targets[t]] / 0.5 - logq_pos[t]]
@@ -211,14 +219,14 @@ def test_full_softmax_loss_matches_numpy():
   user = rng.normal(size=(4, 3)).astype(np.float32)
   table = rng.normal(size=(6, 3)).astype(np.float32)
   targets = np.array([1, 5, 0, 2], np.int32)
-  got = float(seqrec.full_softmax_loss(user, table, targets, None, None, None, 0.7))
+  got = float(next_item.mean_loss(next_item.full_softmax_loss_sums, user, table, targets, None, None, None, 0.7))
   want = []
   for t in (0, 1, 3):
     logits = user[t] @ table[1:].T / 0.7    # item 0 is padding, never a class
     want.append(np.log(np.sum(np.exp(logits))) - logits[targets[t] - 1])
   assert got == pytest.approx(np.mean(want), rel=1e-5)
   with pytest.raises(ValueError, match="unknown loss 'bpr'"):
-    seqrec.SeqRecConfig(dataset="ml-1m", loss="bpr")
+    NextItemConfig(loss="bpr")
 
 
 def _model(dropout=0.3):
@@ -244,47 +252,72 @@ def test_encode_rows_are_isolated_and_dropout_only_with_a_key():
   np.testing.assert_array_equal(dropped, np.asarray(model.encode(both, dropout_rng=key)))
 
 
-def test_train_step_lowers_loss_on_a_fixed_batch():
-  model = _model(dropout=0.0)
-  graphdef, params = nnx.split(model, nnx.Param)
-  import optax
-  tx = optax.adam(1e-2)
-  opt_state = tx.init(params)
-  train_step, rank_step = seqrec.make_steps(graphdef, tx, temperature=0.1)
-  items = np.array([1, 2, 3, 4, 5, 6, 7, 0], np.int32)
-  targets = np.array([2, 3, 4, 5, 6, 7, 8, 0], np.int32)
-  offsets = np.array([0, 4, 7], np.int32)
-  neg, lq, lp = seqrec.sample_negatives(np.random.default_rng(0), targets, 11, uniform=6, in_batch=2)
-  losses = []
-  for step in range(30):
-    params, opt_state, loss = train_step(params, opt_state, np.int32(step), jax.random.key(0), items, offsets,
-                                         targets, neg, lq, lp)
-    losses.append(float(loss))
-  assert losses[-1] < 0.5 * losses[0]
-  exclude = np.zeros((2, 12), bool)
-  exclude[:, 0] = True
-  ranks = np.asarray(rank_step(params, items, offsets, np.array([5, 8], np.int32), exclude))
-  assert ranks.shape == (2,) and np.all(ranks >= 1)
+def toy_u_data(root, users: int = 24, seed: int = 0) -> str:
+  """A small MovieLens-100K-format file (root/ml-100k/u.data) of `users` users with 5-14 interactions over
+  30 items, so the next-item source and task run without the shared data."""
+  rng = np.random.default_rng(seed)
+  lines = [f"{u}\t{i}\t4\t{t}" for u in range(1, users + 1)
+           for t, i in enumerate(rng.choice(np.arange(1, 31), rng.integers(5, 15), replace=False))]
+  (root / "ml-100k").mkdir(parents=True, exist_ok=True)
+  (root / "ml-100k" / "u.data").write_text("\n".join(lines) + "\n")
+  return str(root)
+
+
+def test_train_step_lowers_loss_on_a_fixed_batch_and_ranks_every_user(tmp_path):
+  """The next-item task through the one spine (build, the mesh step) on a toy dataset."""
+  cfg = apply_overrides(configs.seqrec("ml-100k", quick=True), [
+      f"data.data_dir={toy_u_data(tmp_path)}", "data.batch_size=8", "data.uniform_negatives=6",
+      "data.batch_negatives=2", "data.token_multiple=64", "model.dropout_rate=0.0", "train.learning_rate=0.01"])
+  run = build(cfg)
+  batch = run.device_batch(run.source.first_batch())
+  state, losses = run.state, []
+  for _ in range(30):
+    state, m = run.train_step(state, batch)
+    losses.append(float(m["loss"]))
+  assert losses[-1] < 0.5 * losses[0], losses
+  ranks = [np.asarray(run.eval_step(state.params, run.place(b))) for b in run.eval_batches("test")]
+  result = run.task.evaluate(ranks, run.eval_batches("test"))
+  assert set(result) == cfg.task.metric_names() and 0 < result["HR@50"] <= 1
+  assert sum(int(np.asarray(b.row_mask_B).sum()) for b in run.eval_batches("test")) == 24
+
+
+@pytest.mark.slow
+def test_interrupted_next_item_run_resumes_to_the_same_metrics(tmp_path):
+  """Stopped mid-epoch (between evaluations) and resumed, a run ends on exactly the uninterrupted metrics:
+  the source's epoch order, its negatives and the selection hook's best checkpoint all resume."""
+  cfg = apply_overrides(configs.seqrec("ml-100k", quick=True), [
+      f"data.data_dir={toy_u_data(tmp_path)}", "data.batch_size=8", "data.token_multiple=64",
+      "train.epochs=6", "train.eval_every_epochs=2", "train.checkpoint_every=2"])
+  whole = jobs.train_config(cfg, str(tmp_path / "whole"), progress=False, report=False)
+  jobs.train_config(cfg, str(tmp_path / "cut"), progress=False, report=False, stop_after=7)
+  resumed = jobs.train_config(cfg, str(tmp_path / "cut"), progress=False, report=False, resume=True)
+  assert resumed["steps"] == whole["steps"] == 18 and resumed["steps_this_run"] == 18 - 7
+  assert resumed["test"] == whole["test"] and resumed["valid"] == whole["valid"]
+  assert resumed["selected"] == whole["selected"]
 
 
 def test_batch_longer_than_max_len_is_refused():
   split = data.leave_one_out(_toy())
   batch = next(data.eval_batches(split.test, batch_size=3, max_len=7, multiple=8))
   with pytest.raises(ValueError, match="row of 7 items; the model's max_len is 6"):
-    seqrec._check_rows(batch, 6)
+    seqrec_source.check_rows(batch, 6)
 
 
-def test_presets_build_and_bad_config_fails():
+def test_presets_build_and_bad_config_fails(tmp_path):
   for name in data.DATASETS:
-    cfg = seqrec.preset(name)
-    assert cfg.dataset == name
-  assert seqrec.preset("beauty").ks == (5, 10, 20, 50, 200) and seqrec.preset("ml-1m").model.max_len == 200
+    assert configs.seqrec(name).data.dataset == name
+    assert configs.get(f"seqrec_{name}").data.dataset == name
+  assert configs.seqrec("beauty").task.ks == (5, 10, 20, 50, 200) and configs.seqrec("ml-1m").model.max_len == 200
   with pytest.raises(ValueError, match="ml-100k only"):
-    seqrec.preset("ml-1m", quick=True)
-  with pytest.raises(ValueError, match="select_metric 'NDCG@5'"):
-    seqrec.SeqRecConfig(dataset="ml-1m", select_metric="NDCG@5")
+    configs.seqrec("ml-1m", quick=True)
+  quick = apply_overrides(configs.seqrec("ml-100k", quick=True),
+                          [f"data.data_dir={toy_u_data(tmp_path)}", "train.select_metric=NDCG@5"])
+  with pytest.raises(ConfigError, match="select_metric 'NDCG@5' is not one of the task's selectable"):
+    build(quick, abstract=True)
   with pytest.raises(ValueError, match="at least one negative"):
-    seqrec.SeqRecConfig(dataset="ml-1m", uniform_negatives=0, batch_negatives=0)
+    SeqRecDataConfig(dataset="ml-1m", uniform_negatives=0, batch_negatives=0)
+  with pytest.raises(ValueError, match="model.max_len=40 differs from data.max_len=50"):
+    build(apply_overrides(quick, ["train.select_metric=NDCG@10", "model.max_len=40"]), abstract=True)
 
 
 # ---- real data -------------------------------------------------------------------------------------------
@@ -308,6 +341,7 @@ def test_quick_ml100k_run_beats_most_popular(tmp_path):
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   res = json.loads((out / "results.json").read_text())
+  assert res["best_step"] is not None and (out / "report.json").exists() and (out / "checkpoints").is_dir()
   for part in ("valid", "test"):
     assert set(res[part]) == {f"{m}@{k}" for m in ("HR", "NDCG") for k in (10, 50, 200)}
   assert res["stats"] == {"users": 943, "items": 1682, "interactions": 100000}

@@ -13,46 +13,27 @@ import pytest
 import yaml
 from flax import nnx
 
-from gem_jax import configs
-from gem_jax.config import apply_overrides
-from gem_jax.data import pipeline
-from gem_jax.data.synthetic import SyntheticAdsStream
-from gem_jax.model.gem import GEM
 from gem_jax.observe import hlo
 from gem_jax.parallel import mesh as mesh_lib
-from gem_jax.parallel import spmd
-from gem_jax.train.loop import mesh_devices
-from gem_jax.train.optim import make_optimizer
-from gem_jax.train.step import init_state, make_train_step
+from gem_jax.parallel import placement as spmd
+from gem_jax.run.build import build
+from tests.run_helpers import tiny
 
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def setup():
-  cfg = apply_overrides(configs.get("tiny"), ["data.pipeline.batch_size=64"])
-  spec = cfg.data.spec
-  stream = SyntheticAdsStream(spec, cfg.data.synthetic)
-  batches = [pipeline.pack(stream.block(i, 64), spec, cfg.data.pipeline) for i in range(STEPS)]
-
-  def fresh():
-    model = GEM(spec, cfg.model, rngs=nnx.Rngs(0))
-    optimizer = make_optimizer(cfg.train, nnx.state(model, nnx.Param))
-    return (*init_state(model, optimizer), optimizer)
-
-  graphdef, rest, state, optimizer = fresh()
-  step = make_train_step(graphdef, rest, optimizer, spec)
-  ref_losses = []
+  cfg = tiny("data.pipeline.batch_size=64")
+  one = build(cfg)
+  batches = [one.source.sample(64, index=i) for i in range(STEPS)]
+  state, ref_losses = one.state, []
   for b in batches:
-    state, m = step(state, b)
+    state, m = one.train_step(state, one.device_batch(b))
     ref_losses.append(float(m["loss"]))
   ref_params = jax.device_get(nnx.to_pure_dict(state.params))
 
-  mesh_spec = mesh_lib.load("meshes/cpu_8.yaml")
-  mesh = mesh_lib.build_mesh(mesh_spec)
-  graphdef, rest, state, optimizer = fresh()
-  run = spmd.MeshRun.create(mesh_spec, mesh, graphdef, rest, optimizer, state, spec, cfg.data.pipeline,
-                            cfg.model.hstu.keep_last[0], batches[0])
+  run = build(dataclasses.replace(cfg, mesh="meshes/cpu_8.yaml"), first_batch=batches[0])
   device_batches = [run.device_batch(b) for b in batches]
   compiled = run.train_step.lower(run.state, device_batches[0]).compile()
   state, losses, metrics = run.state, [], []
@@ -60,10 +41,10 @@ def setup():
     state, m = compiled(state, b)
     losses.append(float(m["loss"]))
     metrics.append(jax.device_get(m))
-  return dict(cfg=cfg, run=run, compiled=compiled, mesh=mesh, losses=losses, ref_losses=ref_losses,
-              batches=batches, fresh=fresh,
-              params=jax.device_get(nnx.to_pure_dict(state.params)), ref_params=ref_params, metrics=metrics,
-              params_host=fresh()[2].params)
+  fresh = lambda: build(dataclasses.replace(cfg, mesh="meshes/cpu_8.yaml"), first_batch=batches[0])
+  return dict(cfg=cfg, run=run, compiled=compiled, mesh=run.mesh, losses=losses, ref_losses=ref_losses,
+              batches=batches, fresh=fresh, params=jax.device_get(nnx.to_pure_dict(state.params)),
+              ref_params=ref_params, metrics=metrics, params_host=build(cfg, abstract=True).state.params)
 
 
 def test_mesh_step_computes_the_one_device_function(setup):
@@ -83,7 +64,7 @@ def test_mesh_step_skips_a_non_finite_batch(setup):
   dense = np.array(batch.dense_BxG)
   dense[5, 0] = np.nan
   poisoned = run.device_batch(dataclasses.replace(batch, dense_BxG=dense))
-  state = spmd.place_state(setup["fresh"]()[2], run.plan)   # run.state went to the fixture's steps
+  state = setup["fresh"]().state   # run.state went to the fixture's steps
   before = jax.device_get(jax.tree_util.tree_leaves((state.params, state.opt_state)))
   state, m = compiled(state, poisoned)
   assert int(m["nonfinite"]) == 1 and not np.isfinite(float(m["loss"]))
@@ -168,12 +149,8 @@ def test_tensor_parallel_pairs_sum_over_tensor_only(setup):
 def test_context_parallel_mesh_computes_the_one_device_function(setup):
   """cpu_8_cp (fsdp 2, context 2, tensor 2): each HSTU layer splits its token slots over `context`,
   gathers keys / values / outputs, and the losses are still the one-device losses."""
-  cfg = setup["cfg"]
-  mesh_spec = mesh_lib.load("meshes/cpu_8_cp.yaml")
-  mesh = mesh_lib.build_mesh(mesh_spec)
-  graphdef, rest, state, optimizer = setup["fresh"]()
-  run = spmd.MeshRun.create(mesh_spec, mesh, graphdef, rest, optimizer, state, cfg.data.spec,
-                            cfg.data.pipeline, cfg.model.hstu.keep_last[0], setup["batches"][0])
+  run = build(dataclasses.replace(setup["cfg"], mesh="meshes/cpu_8_cp.yaml"), first_batch=setup["batches"][0])
+  mesh = run.mesh
   device_batches = [run.device_batch(b) for b in setup["batches"]]
   compiled = run.train_step.lower(run.state, device_batches[0]).compile()
   state, losses = run.state, []
@@ -198,7 +175,7 @@ def test_rules_may_not_put_other_axes_on_tensor(setup):
 def test_wrong_device_count_names_the_axes():
   spec = mesh_lib.load("meshes/cpu_16_5d.yaml")
   with pytest.raises(mesh_lib.MeshFileError, match=r"needs 16 devices .*replica=2 x fsdp=2 x sparse=2"):
-    mesh_devices(spec)
+    mesh_lib.check_devices(spec, len(jax.devices()))
 
 
 def test_batch_not_divisible_over_data_shards():

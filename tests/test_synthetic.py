@@ -10,7 +10,7 @@ import pytest
 from gem_jax.data.spec import ads_feature_spec
 from gem_jax.data.synthetic import CLICK_COMPONENTS, SyntheticAdsStream, SyntheticConfig
 from gem_jax.data.validate import validate_examples
-from gem_jax.train.metrics import normalized_entropy_from_logits
+from gem_jax.metrics import normalized_entropy_from_logits
 
 SMALL = ads_feature_spec(users=5_000, ads=3_000, advertisers=300, categories=40, embed_dim=8,
                          max_history=64, max_interests=6, num_domains=4)

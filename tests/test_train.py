@@ -1,24 +1,19 @@
-"""End-to-end training on the tiny config: outputs, exact resume, metrics records."""
+"""End-to-end training on the tiny config through the trainer: outputs, exact resume, metrics records."""
 
 import json
 import os
 
-import numpy as np
 import pytest
 
-from gem_jax import configs
-from gem_jax.config import apply_overrides
-from gem_jax.train.loop import train
-from tests.test_report import check_run_report
+from gem_jax.train.jobs import train_config as train
+from tests.run_helpers import check_run_report, tiny
 
 STEPS = 12
 
 
 def _tiny(**overrides):
-  sets = [f"{k}={v}" for k, v in {"train.warmup_steps": 1, "train.steps": STEPS, "train.log_every": 1,
-                                   "train.checkpoint_every": 4, "train.eval_every": 100,
-                                   "train.eval_examples": 128, **overrides}.items()]
-  return apply_overrides(configs.get("tiny"), sets)
+  return tiny(**{"train.warmup_steps": 1, "train.steps": STEPS, "train.log_every": 1, "train.checkpoint_every": 4,
+                 "train.eval_every": 100, "train.eval_examples": 128, **overrides})
 
 
 def _losses(out_dir):

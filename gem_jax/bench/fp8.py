@@ -13,7 +13,6 @@ Letters: M x K @ K x N.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 
@@ -87,35 +86,22 @@ def bench_train_gemm(m, k, n, *, reps: int, rng,
 
 def bench_step(config: str, policies, *, reps: int) -> list[dict]:
   """Median ms of the train step of `config` on one batch under each precision policy."""
-  from flax import nnx
-
   from gem_jax import configs
-  from gem_jax.data import pipeline
-  from gem_jax.data.synthetic import SyntheticAdsStream
-  from gem_jax.model.gem import GEM
-  from gem_jax.precision.policy import PrecisionConfig
-  from gem_jax.train.optim import make_optimizer
-  from gem_jax.train.step import init_state, make_train_step
+  from gem_jax.config import apply_overrides
+  from gem_jax.run.build import build
 
-  cfg = configs.get(config)
-  spec = cfg.data.spec
-  batch = pipeline.eval_batches(SyntheticAdsStream(spec, cfg.data.synthetic), spec, cfg.data.pipeline,
-                                num_examples=cfg.data.pipeline.batch_size, start_index=0)[0]
-  batch = jax.tree_util.tree_map(jnp.asarray, batch)
   records = []
   for name in policies:
-    model_cfg = dataclasses.replace(cfg.model, precision=PrecisionConfig(policy=name))
-    model = GEM(spec, model_cfg, rngs=nnx.Rngs(0))
-    optimizer = make_optimizer(cfg.train, nnx.state(model, nnx.Param))
-    graphdef, rest, state = init_state(model, optimizer)
-    step = make_train_step(graphdef, rest, optimizer, spec)
+    run = build(apply_overrides(configs.get(config), [f"model.precision.policy={name}"]))
+    batch = run.device_batch(run.source.first_batch())
+    state = run.state
     for _ in range(3):   # compile, then let allocations settle before timing
-      state, metrics = step(state, batch)
+      state, metrics = run.train_step(state, batch)
     jax.block_until_ready(metrics)
     times = []
     for _ in range(reps):
       t = time.perf_counter()
-      state, metrics = step(state, batch)
+      state, metrics = run.train_step(state, batch)
       jax.block_until_ready(metrics)
       times.append(time.perf_counter() - t)
     records.append({"table": "step", "config": config, "policy": name,

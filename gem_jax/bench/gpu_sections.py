@@ -268,12 +268,12 @@ def fp8_speed(ctx: Context) -> None:
       ctx.record(rec)
 
 
-def train_step(ctx: Context) -> None:
+def base_train_step(ctx: Context) -> None:
   import jax
 
   from gem_jax import configs
   from gem_jax.config import apply_overrides
-  from gem_jax.train.loop import train
+  from gem_jax.train.jobs import train_config
 
   on_gpu = jax.default_backend() == "gpu"
   name = "base" if on_gpu else "tiny"
@@ -305,7 +305,7 @@ def train_step(ctx: Context) -> None:
       out = os.path.join(os.path.dirname(ctx.path), f"train_{name}_{policy}_{attn_impl}")
       shutil.rmtree(out, ignore_errors=True)
       try:
-        summary = train(cfg, out, progress=False, report=True)
+        summary = train_config(cfg, out, progress=False, report=True)
       except Exception as e:
         rec["error"] = f"attn_impl={attn_impl}: {type(e).__name__}: {str(e)[:400]}"
         continue
@@ -329,7 +329,8 @@ def sparse_scaling(ctx: Context) -> None:
            "yet; this section runs it once it does")
 
 
-SECTIONS = {f.__name__: f for f in (environment, correctness, kernel_speed, fp8_speed, train_step, sparse_scaling)}
+SECTIONS = {"environment": environment, "correctness": correctness, "kernel_speed": kernel_speed,
+            "fp8_speed": fp8_speed, "train_step": base_train_step, "sparse_scaling": sparse_scaling}
 
 
 def main(argv=None) -> int:

@@ -270,15 +270,26 @@ def pack(rows: list[np.ndarray], row_targets: list[np.ndarray], row_user: list[i
   return SeqBatch(Jagged(items, offsets), targets, users)
 
 
+def epoch_users(train: list[np.ndarray], rng: np.random.Generator) -> list[int]:
+  """One epoch's order: every user with at least two training items (one (input, next item) pair), in a
+  random order. Users with a single training item have no pair and are skipped."""
+  return [u for u in rng.permutation(len(train)) if train[u].shape[0] >= 2]
+
+
+def train_batch(train: list[np.ndarray], users: list[int], *, batch_size: int, max_len: int,
+                multiple: int) -> SeqBatch:
+  """The batch of `users`: each row the user's last max_len + 1 training items as (input, next item) pairs."""
+  seqs = [train[u][-(max_len + 1):] for u in users]
+  return pack([s[:-1] for s in seqs], [s[1:] for s in seqs], list(users), batch_size, multiple)
+
+
 def train_batches(train: list[np.ndarray], *, batch_size: int, max_len: int, multiple: int,
                   rng: np.random.Generator) -> Iterator[SeqBatch]:
-  """One epoch: users in a random order, each row the user's last max_len + 1 training items as
-  (input, next item) pairs. Users with a single training item have no pair and are skipped."""
-  users = [u for u in rng.permutation(len(train)) if train[u].shape[0] >= 2]
+  """One epoch of training batches (epoch_users, then train_batch per chunk of batch_size users)."""
+  users = epoch_users(train, rng)
   for start in range(0, len(users), batch_size):
-    chunk = users[start:start + batch_size]
-    seqs = [train[u][-(max_len + 1):] for u in chunk]
-    yield pack([s[:-1] for s in seqs], [s[1:] for s in seqs], list(chunk), batch_size, multiple)
+    yield train_batch(train, users[start:start + batch_size], batch_size=batch_size, max_len=max_len,
+                      multiple=multiple)
 
 
 def eval_batches(split: EvalSplit, *, batch_size: int, max_len: int, multiple: int) -> Iterator[SeqBatch]:

@@ -47,8 +47,9 @@ import math
 import numpy as np
 
 from gem_jax.data.batch import Examples
+from gem_jax.data.counter_hash import Scramble, hash_ids, hash_key, normal, uniform, zipf_rank
 from gem_jax.data.spec import FeatureSpec
-from gem_jax.train.metrics import normalized_entropy_from_logits
+from gem_jax.metrics import normalized_entropy_from_logits
 
 CLICK_COMPONENTS = ("domain", "affinity", "id_affinity", "history", "domain_x_category", "hour_x_device",
                     "segment_x_advertiser", "quality", "bid", "popularity")
@@ -110,88 +111,6 @@ class SyntheticConfig:
       raise ValueError(f"SyntheticConfig.seed must be in [0, 2**64), got {self.seed}")
     if self.latent_dim < 1 or self.history_sigma < 0 or self.calibration_examples < 1024:
       raise ValueError("SyntheticConfig: latent_dim >= 1, history_sigma >= 0, calibration_examples >= 1024")
-
-
-# ---- counter-based hashing ---------------------------------------------------------------------------
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-  """The splitmix64 finalizer: a bijection of uint64 whose output bits all depend on every input bit."""
-  z = z ^ (z >> np.uint64(30))
-  z *= _M1
-  z ^= z >> np.uint64(27)
-  z *= _M2
-  return z ^ (z >> np.uint64(31))
-
-
-def _key(seed: int, salt: str) -> np.uint64:
-  """A per-(seed, attribute) hash key, in Python ints so that numpy scalars never warn on wrap-around."""
-  z = 0
-  raw = salt.encode()
-  for v in [seed] + [int.from_bytes(raw[i:i + 8], "little") for i in range(0, len(raw), 8)]:
-    z = (z ^ v) + 0x9E3779B97F4A7C15 & _U64
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _U64
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _U64
-    z ^= z >> 31
-  return np.uint64(z)
-
-
-def _hash(key: np.uint64, *ids) -> np.ndarray:
-  """uint64 hash of (key, ids...), broadcasting the id arrays."""
-  h = np.asarray(key, np.uint64)
-  for a in ids:
-    h = _mix(np.asarray(a).astype(np.uint64) * _GOLDEN + h)
-  return h
-
-
-def _uniform(h: np.ndarray) -> np.ndarray:
-  return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
-
-
-def _normal(h: np.ndarray) -> np.ndarray:
-  """Box-Muller on the two 32-bit halves of one hash."""
-  u1 = ((h >> np.uint64(32)).astype(np.float64) + 0.5) * 2.0**-32
-  u2 = ((h & np.uint64(0xFFFFFFFF)).astype(np.float64) + 0.5) * 2.0**-32
-  return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
-
-
-def _zipf_rank(u: np.ndarray, n, s: float) -> np.ndarray:
-  """Bounded Zipf(s) rank in [0, n) by inverting the continuous CDF of x^-s on [1, n + 1)."""
-  n = np.asarray(n, np.float64)
-  if abs(s - 1.0) < 1e-9:
-    x = np.exp(u * np.log1p(n))
-  else:
-    t = 1.0 - s
-    x = (1.0 + u * ((n + 1.0)**t - 1.0))**(1.0 / t)
-  # floor(x) - 1 <= n - 1 except where float rounding lands exactly on n + 1.
-  return np.minimum(x.astype(np.int64) - 1, n.astype(np.int64) - 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Scramble:
-  """An affine bijection of [0, n): spreads popular ranks over the id space without a table."""
-  n: int
-  a: int
-  b: int
-  a_inv: int
-
-  @staticmethod
-  def make(n: int, key: np.uint64) -> "_Scramble":
-    a = int(key) % n | 1
-    while math.gcd(a, n) != 1:
-      a += 2
-    a %= n
-    return _Scramble(n, a, (int(key) >> 32) % n, pow(a, -1, n) if n > 1 else 0)
-
-  def __call__(self, x: np.ndarray) -> np.ndarray:  # products stay < 2**62 since n < 2**31
-    y = (x.astype(np.uint64) * np.uint64(self.a) + np.uint64(self.b)) % np.uint64(self.n)
-    return y.astype(np.int64)
-
-  def inverse(self, y: np.ndarray) -> np.ndarray:
-    d = (y.astype(np.uint64) + np.uint64(self.n - self.b)) % np.uint64(self.n)
-    return (d * np.uint64(self.a_inv) % np.uint64(self.n)).astype(np.int64)
 
 
 def _cached(fn, vocab: int):
@@ -270,17 +189,17 @@ class SyntheticAdsStream:
     seq = spec.sequence
     self._G = spec.table(seq.fields[seq.field_index("time_gap")].table).vocab_size
     self._M, self._D = spec.sparse_feature("user_interests").max_ids, len(spec.domains)
-    self._k = lambda salt: _key(cfg.seed, salt)
+    self._k = lambda salt: hash_key(cfg.seed, salt)
     k, L, R = self._k, cfg.latent_dim, 4
-    self._user_scramble = _Scramble.make(self._U, k("user_order"))
-    self._ad_scramble = _Scramble.make(self._N, k("ad_order"))
-    self._adv_scramble = _Scramble.make(self._A, k("advertiser_order"))
-    self._cat_scramble = _Scramble.make(self._C, k("category_order"))
+    self._user_scramble = Scramble.make(self._U, k("user_order"))
+    self._ad_scramble = Scramble.make(self._N, k("ad_order"))
+    self._adv_scramble = Scramble.make(self._A, k("advertiser_order"))
+    self._cat_scramble = Scramble.make(self._C, k("category_order"))
     def vectors(salt: str, width: int):
-      return lambda ids: _normal(_hash(k(salt), ids[..., None], np.arange(width))) / math.sqrt(width)
+      return lambda ids: normal(hash_ids(k(salt), ids[..., None], np.arange(width))) / math.sqrt(width)
 
     def scalars(salt: str):
-      return lambda ids: _normal(_hash(k(salt), ids))
+      return lambda ids: normal(hash_ids(k(salt), ids))
 
     # Unit-norm category latents: the affinity scale then does not hinge on a few head categories' norms.
     unit = lambda v: v / np.linalg.norm(v, axis=-1, keepdims=True)
@@ -314,14 +233,14 @@ class SyntheticAdsStream:
 
   def user_segment(self, user_id: np.ndarray) -> np.ndarray:
     user_id = _ids(user_id, self._U, "user_id")
-    return (_hash(self._k("segment"), user_id) % np.uint64(self._S)).astype(np.int64)
+    return (hash_ids(self._k("segment"), user_id) % np.uint64(self._S)).astype(np.int64)
 
   def user_interests(self, user_id: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(interests_nxM: distinct categories ascending, -1 padded; counts_n in [1, M])."""
     user_id, M = _ids(user_id, self._U, "user_id"), self._M
-    count_n = 1 + (_hash(self._k("interest_count"), user_id) % np.uint64(M)).astype(np.int64)
-    u_nxM = _uniform(_hash(self._k("interest"), user_id[:, None], np.arange(M)))
-    cats_nxM = self._cat_scramble(_zipf_rank(u_nxM, self._C, self.cfg.interest_zipf_exponent))
+    count_n = 1 + (hash_ids(self._k("interest_count"), user_id) % np.uint64(M)).astype(np.int64)
+    u_nxM = uniform(hash_ids(self._k("interest"), user_id[:, None], np.arange(M)))
+    cats_nxM = self._cat_scramble(zipf_rank(u_nxM, self._C, self.cfg.interest_zipf_exponent))
     big = np.int64(self._C)
     cats_nxM = np.sort(np.where(np.arange(M) < count_n[:, None], cats_nxM, big), axis=1)
     dup = np.zeros_like(cats_nxM, dtype=bool)
@@ -332,14 +251,14 @@ class SyntheticAdsStream:
   def _advertiser(self, ad_id: np.ndarray, slot: np.ndarray) -> np.ndarray:
     # An advertiser's ads share a category when there are more advertisers than categories.
     per_category = np.uint64(max(1, self._A // self._C))
-    j = (_hash(self._k("advertiser_of_ad"), ad_id) % per_category).astype(np.int64)
+    j = (hash_ids(self._k("advertiser_of_ad"), ad_id) % per_category).astype(np.int64)
     return self._adv_scramble((slot % self._C + self._C * j) % self._A)
 
   def _slots(self, u: np.ndarray, category: np.ndarray) -> np.ndarray:
     """Zipf ad slots: inside `category` where it is >= 0, over all ads where it is -1."""
     inside = category >= 0
     n_eff = np.where(inside, (self._N - 1 - category) // self._C + 1, self._N)
-    rank = _zipf_rank(u, n_eff, self.cfg.zipf_exponent)
+    rank = zipf_rank(u, n_eff, self.cfg.zipf_exponent)
     return np.where(inside, category + self._C * rank, rank)
 
   # ---- sampling ------------------------------------------------------------------------------------------
@@ -353,15 +272,15 @@ class SyntheticAdsStream:
     """Features of n requests, the click logit's components and the conversion logit (biases excluded)."""
     cfg, C = self.cfg, self._C
     rows = np.arange(n)
-    user = self._user_scramble(_zipf_rank(rng.random(n), self._U, cfg.zipf_exponent))
+    user = self._user_scramble(zipf_rank(rng.random(n), self._U, cfg.zipf_exponent))
     interests_nxM, count_n = self.user_interests(user)
     segment = self.user_segment(user)
-    activity = _normal(_hash(self._k("activity"), user))
+    activity = normal(hash_ids(self._k("activity"), user))
     domain = rng.choice(self._D, size=n, p=self._domain_p)
-    usual_device = (_hash(self._k("device"), user) % np.uint64(self._DV)).astype(np.int64)
+    usual_device = (hash_ids(self._k("device"), user) % np.uint64(self._DV)).astype(np.int64)
     device = np.where(rng.random(n) < 0.85, usual_device, rng.integers(0, self._DV, n))
     hour = rng.choice(self._H, size=n, p=self._hour_p)
-    session_cat = self._cat_scramble(_zipf_rank(rng.random(n), C, cfg.interest_zipf_exponent))
+    session_cat = self._cat_scramble(zipf_rank(rng.random(n), C, cfg.interest_zipf_exponent))
 
     # The candidate: targeted at an interest or the session intent, or anything (Zipf).
     u = rng.random((3, n))
@@ -374,7 +293,7 @@ class SyntheticAdsStream:
 
     history, lengths, hist_match = self._history(rng, n, interests_nxM, count_n, session_cat, activity, cat)
 
-    quality = _normal(_hash(self._k("quality"), ad))
+    quality = normal(hash_ids(self._k("quality"), ad))
     bid = 0.7 * self._advertiser_bid(advertiser) + 0.714 * rng.standard_normal(n)
     dense = {"ad_quality": quality, "user_activity": activity, "bid": bid}
     interest_lat_nxMxL = self._cat_latent(np.maximum(interests_nxM, 0)) * (interests_nxM >= 0)[..., None]
@@ -396,7 +315,7 @@ class SyntheticAdsStream:
         "segment_x_advertiser": cfg.segment_advertiser_strength * seg_adv,
         "quality": cfg.quality_strength * quality,
         "bid": cfg.bid_strength * bid,
-        "popularity": cfg.popularity_strength * _normal(_hash(self._k("popularity"), ad)),
+        "popularity": cfg.popularity_strength * normal(hash_ids(self._k("popularity"), ad)),
     }
     conv_z = (cfg.conv_advertiser_strength * self._advertiser_conv(advertiser)
               + cfg.conv_affinity_strength * (cat_affinity + id_affinity)

@@ -38,7 +38,6 @@ from gem_jax.model.heads import MultiDomainHeads
 from gem_jax.model.hstu import HSTULayer
 from gem_jax.model.interformer import NonSequenceSummary, SequenceSummary, num_summary
 from gem_jax.model.wukong import WukongLayer
-from gem_jax.precision import policy
 
 
 @jax.tree_util.register_dataclass
@@ -57,10 +56,11 @@ class GEMLayer(nnx.Module):
   def __init__(self, layer: int, num_state: int, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.keep_last = cfg.hstu.keep_last[layer]
     self.num_contextual = cfg.hstu.num_contextual
-    self.context = NonSequenceSummary(num_state, cfg, rngs=rngs)
-    self.hstu = HSTULayer(cfg, cfg.max_seq_len(layer), rngs=rngs)
-    self.summary = SequenceSummary(cfg, rngs=rngs)
-    self.wukong = WukongLayer(num_state + num_summary(cfg), cfg, rngs=rngs)
+    site = f"layers.{layer}"
+    self.context = NonSequenceSummary(num_state, cfg, site=f"{site}.context", rngs=rngs)
+    self.hstu = HSTULayer(cfg, cfg.max_seq_len(layer), site=f"{site}.hstu", rngs=rngs)
+    self.summary = SequenceSummary(cfg, site=f"{site}.summary", rngs=rngs)
+    self.wukong = WukongLayer(num_state + num_summary(cfg), cfg, site=f"{site}.wukong", rngs=rngs)
 
   def __call__(self, state_BxFxE, history: Jagged, target_BxD, *, dropout_rng=None):
     """-> (state B x F' x E, history outputs Jagged(T' x D), target output B x D, summary B x S x E).
@@ -94,12 +94,15 @@ class GEM(nnx.Module):
     dim = lambda table: spec.table(table).dim
     self.embeddings = EmbeddingCollection(spec, cfg, rngs=rngs)
     self.token_proj = Dense(sum(dim(f.table) for f in spec.sequence.fields), d, ("embed", "hidden"), cfg,
-                            rngs=rngs)
-    self.target_proj = Dense(sum(dim(f.table) for f in candidates), d, ("embed", "hidden"), cfg, rngs=rngs)
+                            site="token_proj", rngs=rngs)
+    self.target_proj = Dense(sum(dim(f.table) for f in candidates), d, ("embed", "hidden"), cfg,
+                             site="target_proj", rngs=rngs)
     # Sparse features whose table is not E wide get their own projection to E.
-    self.feature_proj = nnx.Dict({f.name: Dense(dim(f.table), e, ("embed", "hidden"), cfg, rngs=rngs)
+    self.feature_proj = nnx.Dict({f.name: Dense(dim(f.table), e, ("embed", "hidden"), cfg,
+                                                site=f"feature_proj.{f.name}", rngs=rngs)
                                   for f in spec.sparse if dim(f.table) != e})
-    self.dense_proj = Dense(spec.dense_dim, e, ("embed", "hidden"), cfg, rngs=rngs) if spec.dense_dim else None
+    self.dense_proj = (Dense(spec.dense_dim, e, ("embed", "hidden"), cfg, site="dense_proj", rngs=rngs)
+                       if spec.dense_dim else None)
     num_state = len(spec.sparse) + (1 if spec.dense_dim else 0)
     layers = []
     for layer in range(cfg.num_layers):
@@ -107,7 +110,6 @@ class GEM(nnx.Module):
       num_state = cfg.wukong.fm_outputs + cfg.wukong.lcb_outputs
     self.layers = nnx.List(layers)
     self.heads = MultiDomainHeads((num_state + num_summary(cfg)) * e + d, spec, cfg, rngs=rngs)
-    policy.apply(self, cfg.precision)
 
   def embed(self, batch: Batch) -> GEMInputs:
     """Every embedding lookup of the batch (the sparse part of the model)."""

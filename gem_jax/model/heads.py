@@ -34,7 +34,7 @@ class MultiDomainHeads(nnx.Module):
   def __init__(self, in_features: int, spec: FeatureSpec, cfg: ModelConfig, *, rngs: nnx.Rngs):
     g, r, k = cfg.tower_hidden, len(spec.domains), len(spec.tasks)
     self.norm = LayerNorm(in_features, cfg, rngs=rngs)
-    self.trunk = Dense(in_features, g, ("embed", "mlp"), cfg, rngs=rngs)
+    self.trunk = Dense(in_features, g, ("embed", "mlp"), cfg, site="heads.trunk", rngs=rngs)
     tower_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
     zeros, pdt = nnx.initializers.zeros_init(), cfg.params_dtype
     self.w1_RxGxG = nnx.Param(sharded(tower_init, ("features", "mlp", None))(rngs.params(), (r, g, g), pdt))

@@ -38,9 +38,10 @@ from gem_jax.model.layers import Dense, LayerNorm, sharded
 
 
 class HSTULayer(nnx.Module):
-  """`max_seq_len`: the static bound on every row's length (C + kept history + targets)."""
+  """`max_seq_len`: the static bound on every row's length (C + kept history + targets); `site`: this
+  layer's path in the model (its Dense layers are `site`.uvqk and `site`.out)."""
 
-  def __init__(self, cfg: ModelConfig, max_seq_len: int, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, max_seq_len: int, *, site: str, rngs: nnx.Rngs):
     h = cfg.hstu
     self.num_heads, self.head_dim, self.value_dim = h.num_heads, h.head_dim, h.value_dim
     self.max_seq_len = max_seq_len
@@ -49,10 +50,11 @@ class HSTULayer(nnx.Module):
     self.dropout_rate = h.dropout_rate
     d, hdv = cfg.model_dim, h.num_heads * h.value_dim
     self.norm_in = LayerNorm(d, cfg, rngs=rngs)
-    self.uvqk = Dense(d, 2 * hdv + 2 * h.num_heads * h.head_dim, ("embed", "mlp"), cfg, rngs=rngs)
+    self.uvqk = Dense(d, 2 * hdv + 2 * h.num_heads * h.head_dim, ("embed", "mlp"), cfg, site=f"{site}.uvqk",
+                      rngs=rngs)
     # Normalizes across heads; under tensor parallelism its statistics are summed over the head slices.
     self.norm_attn = LayerNorm(hdv, cfg, rngs=rngs, tensor_parallel=True)
-    self.out = Dense(hdv, d, ("mlp", "embed"), cfg, rngs=rngs)
+    self.out = Dense(hdv, d, ("mlp", "embed"), cfg, site=f"{site}.out", rngs=rngs)
     # Zero init: the layer starts position-agnostic and learns how much recency matters.
     self.rel_bias_HxR = nnx.Param(
         sharded(nnx.initializers.zeros_init(), ("heads", None))(

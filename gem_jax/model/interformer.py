@@ -61,14 +61,14 @@ def recent_tokens(x: Jagged, k: int):
 class SequenceSummary(nnx.Module):
   """(contextual outputs B x C x D, history outputs Jagged(T x D)) -> B x S x E."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, site: str, rngs: nnx.Rngs):
     d = cfg.model_dim
     self.num_recent = cfg.num_recent
     self.dtype = cfg.dtype
     self.query_D = nnx.Param(sharded(nnx.initializers.normal(stddev=d ** -0.5), ("embed",))(
         rngs.params(), (d,), cfg.params_dtype))
     self.norm = LayerNorm(d, cfg, rngs=rngs)
-    self.proj = Dense(d, cfg.embed_dim, ("embed", "hidden"), cfg, rngs=rngs)
+    self.proj = Dense(d, cfg.embed_dim, ("embed", "hidden"), cfg, site=f"{site}.proj", rngs=rngs)
 
   def __call__(self, ctx_BxCxD, history: Jagged):
     values_TxD = history.values
@@ -84,11 +84,11 @@ class SequenceSummary(nnx.Module):
 class NonSequenceSummary(nnx.Module):
   """Wukong state B x F x E -> C contextual tokens B x C x D."""
 
-  def __init__(self, num_features: int, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, num_features: int, cfg: ModelConfig, *, site: str, rngs: nnx.Rngs):
     self.num_features, self.embed_dim = num_features, cfg.embed_dim
     self.num_contextual, self.model_dim = cfg.hstu.num_contextual, cfg.model_dim
     self.proj = (Dense(num_features * cfg.embed_dim, self.num_contextual * cfg.model_dim, ("embed", "hidden"),
-                       cfg, rngs=rngs) if self.num_contextual else None)
+                       cfg, site=f"{site}.proj", rngs=rngs) if self.num_contextual else None)
 
   def __call__(self, state_BxFxE):
     b, f, e = state_BxFxE.shape

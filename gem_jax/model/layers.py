@@ -59,19 +59,21 @@ class Dense(nnx.Linear):
   precision policy (gem_jax/precision/policy.py) its matmul is the FP8 dot_general of its recipe.
 
   `names`: logical axes of the (in, out) kernel, e.g. ("embed", "mlp"); the bias takes the out name.
+  `site`: the layer's path in the module tree ("layers.0.hstu.uvqk"), which the precision policy matches
+  its rules against; the recipe is resolved here, once, when the layer is built (tests/test_model.py holds
+  every site to its real path). A probe may swap recipes at call time (gem_jax/runtime.py).
   """
 
   def __init__(self, in_features: int, out_features: int, names: tuple[str | None, str | None],
-               cfg: ModelConfig, *, rngs: nnx.Rngs, use_bias: bool = True, kernel_init=None):
+               cfg: ModelConfig, *, site: str, rngs: nnx.Rngs, use_bias: bool = True, kernel_init=None):
     kernel_init = kernel_init or nnx.initializers.lecun_normal()
     super().__init__(in_features, out_features, use_bias=use_bias, dtype=cfg.dtype,
                      param_dtype=cfg.params_dtype, preferred_element_type=jnp.float32,
                      kernel_init=sharded(kernel_init, names),
                      bias_init=sharded(nnx.initializers.zeros_init(), names[1:]), rngs=rngs)
-    # Set by gem_jax.precision.policy.apply once the whole model is built (the site is the module path).
-    self.site = ""
-    self.recipe: str | None = None
-    self.fp8_impl = "auto"
+    self.site = site
+    self.recipe: str | None = policy.resolve(site, in_features, out_features, cfg.precision)
+    self.fp8_impl = cfg.precision.impl
 
   def _matmul(self, x, recipe: str | None, bias: bool = True):
     if recipe is None and bias:
@@ -88,12 +90,13 @@ class Dense(nnx.Linear):
     return y
 
   def __call__(self, x):
+    recipe = policy.recipe_at_call(self.site, self.recipe)
     if self.kernel.shape[0] == self.in_features:
-      y = self._matmul(x, self.recipe)
+      y = self._matmul(x, recipe)
       return policy.intercept(self.site, x, y, lambda recipe: self._matmul(x, recipe)).astype(self.dtype)
     # Row parallel: this device holds a slice of the input dim; sum the partial products, then add the
     # bias once.
-    y = self._matmul(x, self.recipe, bias=False)
+    y = self._matmul(x, recipe, bias=False)
     y = policy.intercept(self.site, x, y, lambda recipe: self._matmul(x, recipe, bias=False))
     y = tensor_sum(y.astype(jnp.float32))
     if self.bias is not None:
@@ -129,3 +132,8 @@ class LayerNorm(nnx.LayerNorm):
     y = y * self.scale[...].astype(jnp.float32).reshape(lead + (-1,)) + self.bias[...].astype(jnp.float32).reshape(
         lead + (-1,))
     return y.astype(self.out_dtype)
+
+
+def dense_sites(model) -> list[tuple[str, Dense]]:
+  """(site name, Dense module) for every Dense layer of the model, in module-tree order."""
+  return [(m.site, m) for _, m in nnx.iter_modules(model) if isinstance(m, Dense)]

@@ -80,7 +80,8 @@ class SeqRecModel(nnx.Module):
     self.item_emb_IxD = nnx.Param(item_init(rngs.params(), (num_items + 1, cfg.dim), jnp.float32))
     self.pos_emb_NxD = nnx.Param(pos_init(rngs.params(), (cfg.max_len, cfg.dim), jnp.float32))
     mcfg = cfg.hstu_model_config()
-    self.layers = nnx.List([HSTULayer(mcfg, cfg.max_len, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.layers = nnx.List([HSTULayer(mcfg, cfg.max_len, site=f"layers.{i}", rngs=rngs)
+                            for i in range(cfg.num_layers)])
 
   def encode(self, items: Jagged, dropout_rng=None):
     """items: Jagged (T,) int32 item ids, rows of at most max_len (the batch builder checks it on the host:

@@ -38,7 +38,7 @@ def fm_interaction_naive(x_BxFxE, y_FxK):
 class WukongLayer(nnx.Module):
   """F input embeddings -> O = fm_outputs + lcb_outputs output embeddings, all of width E."""
 
-  def __init__(self, num_inputs: int, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, num_inputs: int, cfg: ModelConfig, *, site: str, rngs: nnx.Rngs):
     w, e = cfg.wukong, cfg.embed_dim
     self.num_inputs, self.embed_dim = num_inputs, e
     self.fm_outputs, self.lcb_outputs = w.fm_outputs, w.lcb_outputs
@@ -47,13 +47,16 @@ class WukongLayer(nnx.Module):
     self.fm_y_FxK = nnx.Param(sharded(nnx.initializers.lecun_normal(), ("features", None))(
         rngs.params(), (num_inputs, w.fm_rank), pdt))
     self.fm_norm = LayerNorm(num_inputs * w.fm_rank, cfg, rngs=rngs)
-    self.fm_mlp_in = Dense(num_inputs * w.fm_rank, w.mlp_hidden, ("embed", "mlp"), cfg, rngs=rngs)
-    self.fm_mlp_out = Dense(w.mlp_hidden, w.fm_outputs * e, ("mlp", "embed"), cfg, rngs=rngs)
+    self.fm_mlp_in = Dense(num_inputs * w.fm_rank, w.mlp_hidden, ("embed", "mlp"), cfg, site=f"{site}.fm_mlp_in",
+                           rngs=rngs)
+    self.fm_mlp_out = Dense(w.mlp_hidden, w.fm_outputs * e, ("mlp", "embed"), cfg, site=f"{site}.fm_mlp_out",
+                            rngs=rngs)
     # Feature-axis linear maps act on F, not on E: their kernels are (F_in, F_out), both small.
-    self.lcb = Dense(num_inputs, w.lcb_outputs, ("features", "features"), cfg, rngs=rngs, use_bias=False)
+    self.lcb = Dense(num_inputs, w.lcb_outputs, ("features", "features"), cfg, site=f"{site}.lcb", rngs=rngs,
+                     use_bias=False)
     # The residual needs a learned map only when the embedding count changes.
-    self.residual = (Dense(num_inputs, self.num_outputs, ("features", "features"), cfg, rngs=rngs,
-                           use_bias=False) if num_inputs != self.num_outputs else None)
+    self.residual = (Dense(num_inputs, self.num_outputs, ("features", "features"), cfg, site=f"{site}.residual",
+                           rngs=rngs, use_bias=False) if num_inputs != self.num_outputs else None)
     self.norm_out = LayerNorm(e, cfg, rngs=rngs)
 
   def __call__(self, x_BxFxE):

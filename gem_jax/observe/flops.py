@@ -1,106 +1,237 @@
-"""Analytic model FLOPs and parameter counts of a GEM config.
+"""Model FLOPs of a run, derived from traces of its task's loss on single rows, and parameter counts.
 
-Model FLOPs are counted from the config and the real (unpadded) history lengths only, so comparing them
-with what XLA executed (padding included) measures padding waste. Conventions:
-  - matmuls only: 2 * m * n * k per GEMM; norms, activations, gathers and pooling adds are not counted
-    (XLA's cost analysis counts them too, which is why the two agree only to a few percent);
-  - attention counts every (query, key) pair of a real sequence once (`n^2` per row and head): the work a
-    dense kernel over the real tokens does. A causal kernel that skips masked pairs does about half;
-    `hstu_pairs(..., exact_mask=True)` gives that count;
-  - HSTU's SiLU attention also does pointwise work on every (pair, head) that softmax flash attention
-    folds into its epilogue: scale by alpha, add the relative bias, SiLU (x * sigmoid(x): 4), mask,
-    divide by N: ATTN_POINTWISE_FLOPS = 8 per pair and head, counted with the attention matmuls;
-  - every domain tower is counted: the heads evaluate all R towers and keep one per example;
-  - a train step costs 3x the forward (forward + two backward GEMMs per forward GEMM).
-It mirrors gem_jax/model/*.py layer by layer; tests/test_flops.py holds it to XLA's count.
+Rows are independent (no op mixes examples), so the FLOPs of a batch are the sum over its rows of f(n), the
+FLOPs of one row with a sequence of n tokens. f(n) is read off the program itself: the task's forward loss
+(task.sums) is traced (jax.make_jaxpr, nothing runs) on a one-row batch whose sequence capacity is exactly
+n, and every dot_general in it is counted, 2 x (output elements) x (contracted size), through nested jaxprs.
+Attention calls (gem_jax/ops.py) tell the runtime's recorder what they are and return zeros in such a
+trace (runtime.count_only), so their FLOPs are counted by the dense convention instead of by whichever
+kernel runs: every (query, key) pair of a row once, n^2 per row and head, at 2 (Dh + Dv) matmul FLOPs and,
+for HSTU's SiLU attention, ATTN_POINTWISE_FLOPS more (scale, bias, SiLU, mask, divide by N) per pair. A
+layer or lookup added to the model is therefore counted without anyone writing its formula.
 
-Letters: B rows, L history length, C contextual tokens, D model width, E embedding width, H heads,
-Dh / Dv q-k / value head widths, F Wukong input embeddings, S summary embeddings.
+f is a quadratic in n between the points where the model truncates rows (jagged.keep_last tells the
+recorder its k): `FlopModel` traces each such piece at four lengths, fits the quadratic on three and checks
+it on the fourth, splits a piece whose check fails, and evaluates f for a batch's lengths with numpy.
+Norms, activations and gathers are not counted (XLA's cost analysis counts them, so the two agree to a few
+percent); a train step costs TRAIN_FLOPS_FACTOR = 3 forward passes.
+
+For the tiled HSTU kernel ("xla" impl) the trainer adds the tiles its dynamic loops walk, which XLA's cost
+analysis counts once: `tiled_train` counts them for every recorded attention call from its row lengths
+(`tiled_attention_tiles`, held to the kernel's own count by tests/test_flops.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import numpy as np
 
-from gem_jax.data.spec import FeatureSpec
-from gem_jax.model.config import ModelConfig
+from gem_jax import runtime
+
+ATTN_POINTWISE_FLOPS = {"hstu": 8, "softmax": 0}
+TRAIN_FLOPS_FACTOR = 3.0
+TILED_BLOCK = 16  # pallas_kernels/hstu_attention/tiled.py's default tile edge, which the model uses
+_CHECK_RTOL = 1e-9
 
 
-ATTN_POINTWISE_FLOPS = 8
+# ---- counting a traced program ------------------------------------------------------------------------
+
+def dot_flops(jaxpr) -> float:
+  """2 x output elements x contracted size of every dot_general in a (closed) jaxpr, nested ones included."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      out = eqn.outvars[0].aval.shape
+      total += 2.0 * float(np.prod(out, dtype=np.float64)) * float(np.prod([lhs[d] for d in lhs_contract]))
+    for sub in _sub_jaxprs(eqn):
+      total += dot_flops(sub) * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
+  return total
 
 
-def _history_lengths_per_layer(cfg: ModelConfig, lengths_B: np.ndarray) -> list[np.ndarray]:
-  """Kept history length of every row at every layer: the pyramid keeps the most recent keep_last[l]."""
-  kept, out = np.asarray(lengths_B, np.int64), []
-  for k in cfg.hstu.keep_last:
-    kept = np.minimum(kept, k)
-    out.append(kept)
-  return out
+def _sub_jaxprs(eqn):
+  for value in eqn.params.values():
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+      if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
+        yield item
 
 
-def embedding_flops(cfg: ModelConfig, spec: FeatureSpec, lengths_B) -> float:
-  """Projections of the looked-up embeddings (the lookups themselves are gathers: 0 FLOPs)."""
-  e, d = cfg.embed_dim, cfg.model_dim
-  b = len(lengths_B)
-  tokens = float(np.minimum(np.asarray(lengths_B, np.int64), cfg.hstu.keep_last[0]).sum())
-  token_in = sum(spec.table(f.table).dim for f in spec.sequence.fields)
-  target_in = sum(spec.table(f.table).dim for f in spec.group("candidate"))
-  per_row = 2 * target_in * d + 2 * spec.dense_dim * e
-  per_row += sum(2 * spec.table(f.table).dim * e for f in spec.sparse if spec.table(f.table).dim != e)
-  return 2.0 * tokens * token_in * d + b * per_row
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+  """One attention call of a one-row trace, as gem_jax.ops recorded it."""
+  kind: str            # "hstu" | "softmax"
+  impl: str            # the impl that would run ("xla", "pallas", ...)
+  length: int          # the row's tokens (the trace has one row of exact capacity)
+  heads: int
+  dh: int
+  dv: int
+  max_seq_len: int
+  num_contextual: int
+
+  @property
+  def flops(self) -> float:
+    return float(self.length) ** 2 * self.heads * (2 * (self.dh + self.dv) + ATTN_POINTWISE_FLOPS[self.kind])
 
 
-def hstu_layer_flops(cfg: ModelConfig, seq_lengths_B: np.ndarray) -> float:
-  """One HSTU layer over rows of `seq_lengths_B` tokens (contextual + history + target)."""
-  h, d = cfg.hstu, cfg.model_dim
-  n = np.asarray(seq_lengths_B, np.float64)
-  proj = 2 * d * (2 * h.num_heads * h.value_dim + 2 * h.num_heads * h.head_dim) + 2 * h.num_heads * h.value_dim * d
-  attn = h.num_heads * (2 * (h.head_dim + h.value_dim) + ATTN_POINTWISE_FLOPS)
-  return float(n.sum() * proj + (n * n).sum() * attn)
+class _Recorder:
+  def __init__(self):
+    self.attention: list[AttentionCall] = []
+    self.truncations: set[int] = set()
+
+  def record(self, what: str, **facts) -> None:
+    if what == "attention":
+      self.attention.append(AttentionCall(**facts))
+    elif what == "truncate":
+      self.truncations.add(int(facts["k"]))
 
 
-def wukong_layer_flops(cfg: ModelConfig, num_inputs: int) -> float:
-  """One Wukong layer for one example with `num_inputs` embeddings."""
-  w, e, f = cfg.wukong, cfg.embed_dim, num_inputs
-  out = w.fm_outputs + w.lcb_outputs
-  fm = 2 * f * e * w.fm_rank * 2                        # X^T Y, then X (X^T Y)
-  mlp = 2 * f * w.fm_rank * w.mlp_hidden + 2 * w.mlp_hidden * w.fm_outputs * e
-  lcb = 2 * f * w.lcb_outputs * e
-  residual = 2 * f * out * e if f != out else 0
-  return float(fm + mlp + lcb + residual)
+def trace_row(run, n: int) -> tuple[float, list[AttentionCall], set[int]]:
+  """(forward FLOPs, attention calls, truncation lengths) of one row with an n-token sequence."""
+  batch = run.source.row_batch(n)
+  params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.state.params)
+  rest = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), run.rest)
+  recorder = _Recorder()
+
+  def loss_sums(params, rest, batch):
+    from flax import nnx
+    return run.task.sums(nnx.merge(run.graphdef, params, rest), batch, None)
+
+  with runtime.using(recorder=recorder, count_only=True):
+    jaxpr = jax.make_jaxpr(loss_sums)(params, rest, batch)
+  return dot_flops(jaxpr) + sum(c.flops for c in recorder.attention), recorder.attention, recorder.truncations
 
 
-def num_nonseq_inputs(cfg: ModelConfig, spec: FeatureSpec) -> int:
-  return len(spec.sparse) + (1 if spec.dense_dim else 0)
+# ---- a run's FLOP model ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Piece:
+  lo: int
+  hi: int
+  coeffs: np.ndarray                  # f(n) = polyval(coeffs, n) on [lo, hi]
+  calls: list[tuple[AttentionCall, float, float]]  # (call at lo, slope, intercept) of its length in n
 
 
-def num_summary(cfg: ModelConfig) -> int:
-  return cfg.hstu.num_contextual + 1 + cfg.num_recent
+class FlopModel:
+  """f(n) of a run (module docstring): forward(lengths), train(lengths) and the tiled loops' executed FLOPs."""
+
+  def __init__(self, run, max_len: int | None = None):
+    self.max_len = int(max_len if max_len is not None else run.source.max_length())
+    self._run, self._cache = run, {}
+    _, calls, cuts = self._sample(0)
+    _, _, cuts_top = self._sample(self.max_len)
+    bounds = sorted({0, self.max_len} | {k for k in cuts | cuts_top if 0 < k < self.max_len})
+    self.pieces: list[_Piece] = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+      self._fit(lo, hi, depth=0)
+    self.tiled = any(c.impl == "xla" and c.kind == "hstu" for c in calls)
+    self.notes = []
+    if any(c.impl == "xla" and c.kind == "softmax" for c in calls):
+      self.notes.append("tiled softmax attention loops are not added to the executed FLOPs")
+    del self._run
+
+  def _sample(self, n: int):
+    if n not in self._cache:
+      self._cache[n] = trace_row(self._run, n)
+    return self._cache[n]
+
+  def _fit(self, lo: int, hi: int, depth: int) -> None:
+    xs = sorted({lo, lo + (hi - lo) // 3, lo + 2 * (hi - lo) // 3, hi})
+    samples = [self._sample(x) for x in xs]
+    fs = np.asarray([s[0] for s in samples], np.float64)
+    if len(xs) <= 3:  # too short to check: interpolate exactly through every point
+      coeffs = np.polyfit(xs, fs, len(xs) - 1)
+      self.pieces.append(_Piece(lo, hi, coeffs, self._lines(xs, samples)))
+      return
+    fit_x = [xs[0], xs[1], xs[3]]
+    coeffs = np.polyfit(fit_x, [fs[0], fs[1], fs[3]], 2)
+    ok = abs(np.polyval(coeffs, xs[2]) - fs[2]) <= _CHECK_RTOL * max(abs(fs[2]), 1.0)
+    lines = self._lines(xs, samples) if ok else None
+    if lines is None and depth < 8:
+      mid = (lo + hi) // 2
+      self._fit(lo, mid, depth + 1)
+      self._fit(mid, hi, depth + 1)
+      return
+    if lines is None:
+      raise ValueError(f"FlopModel: the FLOPs of one row are not quadratic on [{lo}, {hi}] tokens and do not "
+                       "become so when split; a layer truncates rows without jagged.keep_last?")
+    self.pieces.append(_Piece(lo, hi, coeffs, lines))
+
+  @staticmethod
+  def _lines(xs, samples):
+    """Each attention call's row length as an affine function of n on the piece (None if not affine or the
+    calls differ between the samples)."""
+    calls = [s[1] for s in samples]
+    if any(len(c) != len(calls[0]) for c in calls):
+      return None
+    out = []
+    for i, call in enumerate(calls[0]):
+      lengths = [c[i].length for c in calls]
+      if len(xs) == 1:
+        out.append((call, 0.0, float(lengths[0])))
+        continue
+      slope = (lengths[-1] - lengths[0]) / (xs[-1] - xs[0])
+      intercept = lengths[0] - slope * xs[0]
+      if any(abs(slope * x + intercept - l) > 1e-9 for x, l in zip(xs, lengths)):
+        return None
+      out.append((call, slope, intercept))
+    return out
+
+  def _piece_index(self, lengths) -> np.ndarray:
+    n = np.asarray(lengths, np.int64)
+    if n.size and (n.min() < 0 or n.max() > self.max_len):
+      raise ValueError(f"FlopModel: row lengths must be in [0, {self.max_len}], got {n.min()}..{n.max()}")
+    his = np.asarray([p.hi for p in self.pieces])
+    return np.minimum(np.searchsorted(his, n, side="left"), len(self.pieces) - 1)
+
+  def forward(self, lengths) -> float:
+    """Forward FLOPs of rows with these sequence lengths."""
+    n = np.asarray(lengths, np.float64)
+    if n.size == 0:
+      return 0.0
+    which = self._piece_index(n)
+    return float(sum(np.polyval(p.coeffs, n[which == i]).sum() for i, p in enumerate(self.pieces)))
+
+  def train(self, lengths) -> float:
+    return TRAIN_FLOPS_FACTOR * self.forward(lengths)
+
+  def forward_per_row(self, n: int) -> float:
+    return self.forward([n])
+
+  def tiled_train(self, lengths) -> float:
+    """FLOPs a train step spends inside the tiled HSTU loops for rows of these lengths (padding rows
+    included: the kernel walks their contextual and target tokens too). Per (pair, head) of a walked tile:
+    forward q.k (2 Dh) and w.v (2 Dv); backward recomputes q.k and does dw, dq, dk, dv (2 (3 Dh + 2 Dv));
+    pointwise work three times ATTN_POINTWISE_FLOPS (forward, backward)."""
+    n = np.asarray(lengths, np.int64)
+    which = self._piece_index(n)
+    total = 0.0
+    for i, piece in enumerate(self.pieces):
+      rows = n[which == i]
+      for call, slope, intercept in piece.calls:
+        if call.kind != "hstu" or call.impl != "xla":
+          continue
+        row_lengths = np.rint(slope * rows + intercept).astype(np.int64)
+        tiles = tiled_attention_tiles(row_lengths, max_seq_len=call.max_seq_len, num_contextual=call.num_contextual)
+        per_pair_head = 2 * (4 * call.dh + 3 * call.dv) + 3 * ATTN_POINTWISE_FLOPS["hstu"]
+        total += float(tiles) * TILED_BLOCK * TILED_BLOCK * call.heads * per_pair_head
+    return total
 
 
-def model_flops(cfg: ModelConfig, spec: FeatureSpec, lengths_B) -> float:
-  """Forward model FLOPs of a batch whose rows have real history lengths `lengths_B`."""
-  lengths_B = np.asarray(lengths_B, np.int64)
-  b = len(lengths_B)
-  c, d, e = cfg.hstu.num_contextual, cfg.model_dim, cfg.embed_dim
-  s = num_summary(cfg)
-  total = embedding_flops(cfg, spec, lengths_B)
-  num_state = num_nonseq_inputs(cfg, spec)
-  for kept in _history_lengths_per_layer(cfg, lengths_B):
-    total += b * 2 * num_state * e * c * d                                  # non-seq summary -> C tokens
-    total += hstu_layer_flops(cfg, c + kept + 1)
-    total += 2 * 2 * float(kept.sum()) * d + b * 2 * s * d * e            # attention pooling + summary proj
-    total += b * wukong_layer_flops(cfg, num_state + s)
-    num_state = cfg.wukong.fm_outputs + cfg.wukong.lcb_outputs
-  head_in = (num_state + s) * e + d
-  g, r, k = cfg.tower_hidden, len(spec.domains), len(spec.tasks)
-  total += b * (2 * head_in * g + r * (2 * g * g + 2 * g * k))
-  return float(total)
+def param_counts(run) -> dict:
+  """{'sparse': embedding-table parameters, 'dense': every other parameter} of a (possibly abstract) run."""
+  from flax import nnx
 
-
-def model_flops_per_example(cfg: ModelConfig, spec: FeatureSpec, history_len: int) -> float:
-  """Forward model FLOPs of one example with a history of `history_len` tokens."""
-  return model_flops(cfg, spec, np.array([history_len]))
+  from gem_jax.model.embeddings import Table
+  total = sparse = 0
+  for path, var in jax.tree_util.tree_leaves_with_path(run.state.params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    size = int(np.prod(np.shape(var.get_value())))
+    total += size
+    sparse += size if isinstance(var, Table) else 0
+  return {"sparse": sparse, "dense": total - sparse}
 
 
 def hstu_pairs(seq_lengths_B, *, num_contextual: int = 0, num_targets: int = 0, exact_mask: bool = False,
@@ -121,25 +252,6 @@ def hstu_pairs(seq_lengths_B, *, num_contextual: int = 0, num_targets: int = 0, 
   return total
 
 
-def param_counts(cfg: ModelConfig, spec: FeatureSpec) -> dict:
-  """{'sparse': embedding-table parameters, 'dense': every other parameter}, counted without allocating."""
-  from flax import nnx
-  from gem_jax.model.embeddings import Table
-  from gem_jax.model.gem import GEM
-  abstract = nnx.eval_shape(lambda: GEM(spec, cfg, rngs=nnx.Rngs(0)))
-  sparse = sum(int(np.prod(v.shape)) for v in _leaves(nnx.state(abstract, Table)))
-  total = sum(int(np.prod(v.shape)) for v in _leaves(nnx.state(abstract, nnx.Param)))
-  return {"sparse": sparse, "dense": total - sparse}
-
-
-def _leaves(state):
-  import jax
-  return jax.tree_util.tree_leaves(state)
-
-
-TILED_BLOCK = 16  # pallas_kernels/hstu_attention/tiled.py's default tile edge, which the model uses
-
-
 def tiled_attention_tiles(seq_lengths_B, *, max_seq_len: int, num_contextual: int, block: int = TILED_BLOCK) -> int:
   """Tiles the tiled HSTU kernel ("xla" impl, causal) walks for rows of these lengths, counted on the host.
 
@@ -157,20 +269,3 @@ def tiled_attention_tiles(seq_lengths_B, *, max_seq_len: int, num_contextual: in
   # Contextual blocks qb < ctx see nb tiles instead of qb + 1: extra sum over qb < ctx of (nb - qb - 1).
   extra = ctx_B * nb_B - ctx_B * (ctx_B + 1) // 2
   return int((causal + extra).sum())
-
-
-def tiled_attention_train_flops(cfg: ModelConfig, lengths_B, *, block: int = TILED_BLOCK) -> float:
-  """FLOPs a train step spends inside the tiled HSTU attention loops for histories `lengths_B` (every
-  row of the batch, padding rows included: the kernel walks their contextual and target tokens too).
-
-  XLA's cost analysis counts a while loop's body once, so the trainer's executed FLOPs add this count.
-  Per (pair, head) of a walked tile: forward q.k (2 Dh) and w.v (2 Dv); backward recomputes q.k and does
-  dw, dq, dk, dv (2 (3 Dh + 2 Dv)); pointwise work three times ATTN_POINTWISE_FLOPS (forward, backward).
-  """
-  h = cfg.hstu
-  per_pair_head = 2 * (4 * h.head_dim + 3 * h.value_dim) + 3 * ATTN_POINTWISE_FLOPS
-  total = 0
-  for layer, kept in enumerate(_history_lengths_per_layer(cfg, lengths_B)):
-    total += tiled_attention_tiles(h.num_contextual + kept + 1, max_seq_len=cfg.max_seq_len(layer),
-                                   num_contextual=h.num_contextual, block=block)
-  return float(total) * block * block * h.num_heads * per_pair_head

@@ -26,14 +26,12 @@ import dataclasses
 import os
 import statistics
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gem_jax.observe import flops, hlo, profile, report
-from gem_jax.parallel import data as data_parallel
 
 PROFILE_STEPS = 3       # steps in the profiler window
 PROFILE_AFTER = 3       # steady steps before the window opens
@@ -55,15 +53,6 @@ def peak_flops(mesh_spec, num_devices: int) -> tuple[float, str, float, list[str
   return measured, "measured GEMM", measured, notes
 
 
-def attention_is_tiled(cfg, mesh_spec) -> bool:
-  """Whether the HSTU layers run the tiled "xla" loop (the impl "auto" picks off GPU, without context
-  parallelism, whose query-block path has no loop)."""
-  impl = cfg.model.hstu.attn_impl
-  if impl == "auto":
-    impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-  return impl == "xla" and (mesh_spec is None or mesh_spec.shape["context"] == 1)
-
-
 @dataclasses.dataclass
 class _Step:
   model_flops: float
@@ -76,20 +65,24 @@ class _Step:
 
 
 class RunMeter:
-  """Per-step records of one training run (module docstring)."""
+  """Per-step records of one training run (module docstring).
 
-  def __init__(self, cfg, *, num_devices: int, data_shards: int, mesh_spec=None, out_dir: str,
-               start_step: int, end_step: int, profile_enabled: bool = True, imbalance_every: int = 1):
-    self.cfg, self.num_devices, self.data_shards, self.mesh_spec = cfg, num_devices, data_shards, mesh_spec
+  run: the Run (gem_jax/run/build.py); flop_model: what the FLOPs of a batch are counted with
+  (gem_jax/observe/flops.py: train(lengths) of the real rows, tiled_train(lengths) of every row)."""
+
+  def __init__(self, run, *, out_dir: str, start_step: int, end_step: int, flop_model,
+               profile_enabled: bool = True, imbalance_every: int = 1):
+    self.run, self.flop_model = run, flop_model
+    self.num_devices, self.data_shards, self.mesh_spec = run.num_devices, run.data_shards, run.mesh_spec
     # The balanced assignment is an LPT pass over the batch (~0.6 s at 65k rows): only on logged steps.
     self.imbalance_every = imbalance_every
     self.steps: dict[int, _Step] = {}
     self.notes: list[str] = []
-    self.peak, self.peak_source, self.host_peak, notes = peak_flops(mesh_spec, num_devices)
+    self.peak, self.peak_source, self.host_peak, notes = peak_flops(self.mesh_spec, self.num_devices)
     self.notes += notes
-    self.tiled = attention_is_tiled(cfg, mesh_spec)
-    self.imbalance_shards = data_shards if data_shards > 1 else HYPOTHETICAL_SHARDS
-    if data_shards == 1:
+    self.tiled = flop_model.tiled
+    self.imbalance_shards = self.data_shards if self.data_shards > 1 else HYPOTHETICAL_SHARDS
+    if self.data_shards == 1:
       self.notes.append(f"rank_imbalance: one data shard; shown for {HYPOTHETICAL_SHARDS} hypothetical shards "
                         "of the same batches")
     self.profile_first = start_step + PROFILE_AFTER
@@ -112,15 +105,15 @@ class RunMeter:
 
   def batch(self, step: int, batch) -> None:
     """Host numbers of the step's (global, host) batch; call right before dispatching it."""
-    mask = np.asarray(batch.example_mask_B) > 0
-    lengths = np.asarray(batch.history.lengths())
-    model = report.TRAIN_FLOPS_FACTOR * flops.model_flops(self.cfg.model, self.cfg.data.spec, lengths[mask])
-    tiled = flops.tiled_attention_train_flops(self.cfg.model, lengths) if self.tiled else 0.0
+    real = self.run.source.lengths(batch)
+    every_row = self.run.source.lengths(batch, real=False)
+    model = self.flop_model.train(real)
+    tiled = self.flop_model.tiled_train(every_row) if self.tiled else 0.0
     imb = None
-    if (step + 1) % self.imbalance_every == 0 and lengths.size % self.imbalance_shards == 0:
-      imb = report.rank_imbalance(lengths, self.imbalance_shards, seed=step)
+    if (step + 1) % self.imbalance_every == 0 and every_row.size % self.imbalance_shards == 0:
+      imb = report.rank_imbalance(every_row, self.imbalance_shards, seed=step)
     host_s = time.perf_counter() - self._t_batch if self._t_batch is not None else 0.0
-    self.steps[step] = _Step(model, tiled, int(mask.sum()), host_s, imb)
+    self.steps[step] = _Step(model, tiled, int(real.size), host_s, imb)
     self._t_batch = None
 
   def mark_busy(self, step: int) -> None:
@@ -202,8 +195,7 @@ class RunMeter:
         source = "XLA cost analysis + tiled attention loops (host count of the tiles walked)"
     elif compiled is not None:
       notes.append("executed FLOPs: the backend has no cost analysis")
-    if not self.tiled and self.cfg.model.hstu.attn_impl in ("pallas", "triton", "auto") and \
-        jax.default_backend() == "gpu":
+    if not self.tiled and jax.default_backend() == "gpu":
       notes.append("executed FLOPs: attention inside Pallas/Triton custom calls is invisible to XLA's cost "
                    "analysis; HFU and padding_waste exclude it")
 
@@ -261,39 +253,36 @@ class RunMeter:
     return out
 
 
-def one_device_baseline(cfg, per_device_batch: int, peak_flops: float, steps: int = 5) -> dict:
+def one_device_baseline(run, per_device_batch: int, peak_flops: float, steps: int = 5) -> dict:
   """Step time of the same config at `per_device_batch` rows on one device (the first), for local MFU and
-  scaling efficiency: compiled, warmed up once, then the median of `steps` blocked steps."""
-  from flax import nnx
+  scaling efficiency: built, compiled, warmed up once, then the median of `steps` blocked steps."""
+  from gem_jax.run.build import build
 
-  from gem_jax.data import pipeline
-  from gem_jax.data.synthetic import SyntheticAdsStream
-  from gem_jax.model.gem import GEM
-  from gem_jax.train.optim import make_optimizer
-  from gem_jax.train.step import init_state, make_train_step
-
-  spec = cfg.data.spec
-  pipe = dataclasses.replace(cfg.data.pipeline, batch_size=per_device_batch)
-  device = jax.devices()[0]
-  with jax.default_device(device):
-    model = GEM(spec, cfg.model, rngs=nnx.Rngs(cfg.train.seed))
-    optimizer = make_optimizer(cfg.train, nnx.state(model, nnx.Param))
-    graphdef, rest, state = init_state(model, optimizer)
-    step = make_train_step(graphdef, rest, optimizer, spec)
-    stream = SyntheticAdsStream(spec, cfg.data.synthetic)
-    batches = [pipeline.pack(stream.block(i, per_device_batch), spec, pipe) for i in range(steps + 1)]
-    model_flops = []
-    times = []
+  cfg = run.cfg
+  one = dataclasses.replace(cfg, mesh=None, data=_with_batch_size(cfg.data, per_device_batch))
+  with jax.default_device(jax.devices()[0]):
+    single = build(one, devices=jax.devices()[:1])
+    it = single.source.train_iterator()
+    batches = [next(it) for _ in range(steps + 1)]
+    state, model_flops, times = single.state, [], []
+    flop_model = flops.FlopModel(single)
     for i, b in enumerate(batches):
+      device_batch = single.device_batch(b)
       t = time.perf_counter()
-      state, m = step(state, b)
+      state, m = single.train_step(state, device_batch)
       jax.block_until_ready(m)
       if i:
         times.append(time.perf_counter() - t)
-        lengths = np.asarray(b.history.lengths())[np.asarray(b.example_mask_B) > 0]
-        model_flops.append(report.TRAIN_FLOPS_FACTOR * flops.model_flops(cfg.model, spec, lengths))
+        model_flops.append(flop_model.train(single.source.lengths(b)))
   return {"step_time_s": statistics.median(times), "model_flops_per_step": statistics.fmean(model_flops),
           "examples_per_step": per_device_batch, "peak_flops_per_device": peak_flops, "steps": steps}
+
+
+def _with_batch_size(data_cfg, rows: int):
+  """A data config with training batches of `rows` rows (the synthetic pipeline or a source's batch_size)."""
+  if hasattr(data_cfg, "pipeline"):
+    return dataclasses.replace(data_cfg, pipeline=dataclasses.replace(data_cfg.pipeline, batch_size=rows))
+  return dataclasses.replace(data_cfg, batch_size=rows)
 
 
 def optimizer_flops_sharded(optimizer, params, opt_state, num_devices: int) -> float | None:

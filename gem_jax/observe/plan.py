@@ -2,8 +2,8 @@
 fastest while it still fits in HBM, written out as a mesh file.
 
   plan(cfg, devices, hardware="h200") -> Plan      ranked layouts, named naive baselines, search counts
-  to_yaml(plan, scored, name, command) -> str      a mesh file (meshes/README.md schema) with comments
-  table(plan, top) / explain(plan) -> lines        what experiments/plan_mesh.py prints
+
+What a plan prints and writes (its table, explanation, mesh file and JSON) is gem_jax/observe/cluster_text.py.
 
 Every number is a prediction of gem_jax/observe/simulate.py (bytes per collective and mesh axes, memory per
 device, seconds from the hardware's intra- and inter-node bandwidths); nothing is compiled or measured, so
@@ -40,7 +40,6 @@ This module must never compile or touch a device, and never rank a layout that d
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from typing import Iterator, Sequence
@@ -48,7 +47,7 @@ from typing import Iterator, Sequence
 from gem_jax.model import embeddings as embeddings_lib
 from gem_jax.observe import simulate as sim_lib
 from gem_jax.parallel import mesh as mesh_lib
-from gem_jax.parallel import spmd
+from gem_jax.parallel import placement as spmd
 from gem_jax.parallel.mesh import Hardware, MeshSpec
 from gem_jax.parallel.rules import DATA_AXES, MESH_AXES
 
@@ -139,15 +138,16 @@ def factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
   return [(d,) + rest for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, parts - 1)]
 
 
-def tensor_widths(model_cfg) -> tuple[int, ...]:
-  """The widths a tensor axis must divide for every tensor-parallel layer to be split."""
-  return (model_cfg.hstu.num_heads, model_cfg.wukong.mlp_hidden, model_cfg.tower_hidden)
+def tensor_widths(params) -> tuple[int, ...]:
+  """The widths a tensor axis must divide for every tensor-parallel layer to be split: the sizes of every
+  tensor-parallel dim of the model's parameters (placement.tensor_parallel_parts)."""
+  return tuple(sorted({part.size for part in spmd.tensor_parallel_parts(params)}))
 
 
-def axis_sizes(cfg, devices: int, batch: int, max_tensor: int = MAX_TENSOR,
+def axis_sizes(params, devices: int, batch: int, max_tensor: int = MAX_TENSOR,
                max_context: int = MAX_CONTEXT) -> list[tuple[int, ...]]:
   """The (replica, fsdp, sparse, context, tensor) sizes the planner considers (module docstring)."""
-  widths = tensor_widths(cfg.model)
+  widths = tensor_widths(params)
   out = []
   for sizes in factorizations(devices, len(MESH_AXES)):
     shape = dict(zip(MESH_AXES, sizes))
@@ -172,12 +172,14 @@ def table_rules(sizes: Sequence[int]) -> list[tuple[str, ...]]:
 
 
 def layouts(cfg, devices: int, hardware: str | Preset = "h200", *, batch_size: int | None = None,
-            max_tensor: int = MAX_TENSOR, max_context: int = MAX_CONTEXT) -> Iterator[Layout]:
+            max_tensor: int = MAX_TENSOR, max_context: int = MAX_CONTEXT,
+            shapes: sim_lib.ModelShapes | None = None) -> Iterator[Layout]:
   """Every candidate layout, before pruning."""
   preset = get_preset(hardware)
   _check_devices(devices, preset)
   batch = int(batch_size or cfg.data.pipeline.batch_size)
-  for sizes in axis_sizes(cfg, devices, batch, max_tensor, max_context):
+  shapes = shapes or sim_lib.model_shapes(cfg)
+  for sizes in axis_sizes(shapes.params, devices, batch, max_tensor, max_context):
     for rows in table_rules(sizes):
       for intra in node_splits(sizes, preset.devices_per_node):
         yield Layout(sizes, intra, rows)
@@ -337,11 +339,11 @@ def plan(cfg, devices: int, hardware: str | Preset = "h200", *, batch_size: int 
   tables = tables_of(shapes)
   hbm = preset.hardware.hbm_bytes
 
-  sizes_list = axis_sizes(cfg, devices, batch, max_tensor, max_context)
+  sizes_list = axis_sizes(shapes.params, devices, batch, max_tensor, max_context)
   if not sizes_list:
     raise ValueError(f"no way to lay {devices} devices over the five axes for config {cfg.name!r}: the global batch "
                      f"{batch} must divide over replica x fsdp x sparse, tensor <= {max_tensor} must divide the "
-                     f"tensor-parallel widths {tensor_widths(cfg.model)}, context <= {max_context} takes the rest")
+                     f"tensor-parallel widths {tensor_widths(shapes.params)}, context <= {max_context} takes the rest")
   counts = {"axis_sizes": len(sizes_list), "sizes_and_rules": 0, "pruned_tables_exceed_hbm": 0,
             "simulated": 0, "layouts_timed": 0, "fitting": 0}
   scored = []
@@ -378,176 +380,3 @@ def plan(cfg, devices: int, hardware: str | Preset = "h200", *, batch_size: int 
   rejected = [s for s in scored if not s.fits]
   return Plan(cfg.name, devices, preset, batch, ranked, rejected, baselines, baseline_errors, counts, tables, options,
               time.perf_counter() - t0)
-
-
-# ------------------------------------------------------------------------------------------ output
-
-def _ms(s: float | None) -> str:
-  if s is None:
-    return "-"
-  ms = s * 1e3
-  return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}" if ms >= 1 else f"{ms:.3g}"
-
-
-def whole_tables(p: Plan, s: Scored) -> list[str]:
-  """Row-sharded tables whose rows do not divide over the layout's table shards: they stay whole."""
-  return [name for name, (rows, _) in p.tables.items() if rows % s.table_shards]
-
-
-def _tables_text(p: Plan, s: Scored) -> str:
-  whole = whole_tables(p, s)
-  text = f"table-gradient all-reduce {s.table_sync_bytes / GB:.2f} GB"
-  if whole:
-    text += f" ({', '.join(whole)} kept whole: rows do not divide over {s.table_shards} shards)"
-  return text
-
-
-def row(s: Scored) -> dict:
-  """One table row (also the JSON of a layout)."""
-  big = s.biggest_axis()
-  return {"axes": s.layout.axes_label, "intra_node": s.layout.intra_label, "table_rows": s.layout.rows_label,
-          "step_ms": None if s.step_s is None else s.step_s * 1e3, "mfu": s.mfu,
-          "memory_gb": s.memory_bytes / GB, "fits": s.fits,
-          "exposed_comm_ms": None if s.exposed_s is None else s.exposed_s * 1e3,
-          "biggest_comm": None if big is None else {"axes": big[0], "ms": big[1] * 1e3, "link": big[2]},
-          "sizes": dict(zip(MESH_AXES, s.layout.sizes)), "intra": dict(zip(MESH_AXES, s.layout.intra))}
-
-
-def _cells(label: str, s: Scored) -> list[str]:
-  r = row(s)
-  big = r["biggest_comm"]
-  return [label, r["axes"], r["intra_node"], r["table_rows"], _ms(s.step_s),
-          "-" if s.mfu is None else f"{100 * s.mfu:.1f}%", f"{r['memory_gb']:.1f}",
-          {True: "yes", False: "NO", None: "-"}[s.fits], _ms(s.exposed_s),
-          "-" if big is None else f"{big['axes']} {big['ms']:.2f} ms ({big['link']})"]
-
-
-def table(p: Plan, top: int = 10) -> list[str]:
-  """Markdown table: the `top` ranked layouts, then the baselines."""
-  head = ["rank", "axes (size > 1)", "inside a node", "table rows over (shards)", "step ms", "MFU",
-          "GB/device", "fits", "exposed comm ms", "biggest comm (axes, time, link)"]
-  body = [_cells(str(i + 1), s) for i, s in enumerate(p.ranked[:top])]
-  body += [_cells(f"naive: {name}", s) for name, s in p.baselines.items()]
-  widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
-  fmt = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-  return [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(r) for r in body]
-
-
-def _costs(s: Scored, n: int = 3) -> str:
-  parts = []
-  for sec, part, key, moved, link in s.comm()[:n]:
-    parts.append(f"{part} over {key} {moved / GB:.2f} GB = {sec * 1e3:.1f} ms ({link})")
-  return "; ".join(parts)
-
-
-def explain(p: Plan) -> list[str]:
-  """How the best plan compares with the baselines and why, from the simulated numbers."""
-  best = p.best
-  hw = p.preset.hardware
-  flops = best.sim["flops"]["model_flops_per_step"]
-  lines = [f"Every layout computes for {_ms(best.time['compute_s'])} ms/step ({flops:.3g} model FLOPs over "
-           f"{p.devices} devices at {p.options['efficiency']:.0%} of "
-           f"{hw.peak_bf16_flops / 1e12:.0f} TFLOP/s); they differ in communication, of which only parameter "
-           f"collectives may hide behind compute (up to {p.options['overlap']:.0%} of it). Links: "
-           f"{hw.intra_node_bandwidth / GB:.0f} GB/s inside a node, {hw.inter_node_bandwidth / GB:.0f} GB/s across."]
-  lines.append(f"Plan 1 ({best.layout.axes_label}; inside a node {best.layout.intra_label}; rows over "
-               f"{best.layout.rows_label}): {_ms(best.step_s)} ms, {best.memory_bytes / GB:.1f} GB/device, "
-               f"{_tables_text(p, best)}. Largest costs: {_costs(best)}.")
-  for name, s in p.baselines.items():
-    fits = "fits" if s.fits else f"does NOT fit ({hw.hbm_bytes / GB:.0f} GB HBM)"
-    same = " - the same layout as plan 1" if s.layout == best.layout else ""
-    lines.append(f"{name} ({s.layout.axes_label}; inside a node {s.layout.intra_label}; rows over "
-                 f"{s.layout.rows_label}){same}: {_ms(s.step_s)} ms, {s.memory_bytes / GB:.1f} GB/device, {fits}; "
-                 f"{_tables_text(p, s)}. Largest costs: {_costs(s)}.")
-  total = sum(w for _, w in p.tables.values())
-  for name, why in p.baseline_errors.items():
-    lines.append(f"{name}: cannot run this config: {why}.")
-  capped = {name: math.gcd(rows, p.devices) for name, (rows, w) in p.tables.items()
-            if math.gcd(rows, p.devices) < p.devices and w >= 0.01 * total}  # the tables that weigh
-  if capped:
-    lines.append("Row sharding is capped by divisibility (a dim that does not divide over its axes stays whole, "
-                 "spmd.plan): " + ", ".join(f"{name} ({p.tables[name][0]:,} rows) over at most {n} of the "
-                                            f"{p.devices} devices" for name, n in capped.items())
-                 + "; no layout can give every device its own rows of those.")
-  base = p.best_baseline()
-  if base is None:
-    lines.append("No naive layout fits in HBM, so there is no fitting baseline to compare the plan with.")
-  else:
-    lines.append(f"Speedup of plan 1 over the best naive layout that fits ({base[0]}, {_ms(base[1].step_s)} ms): "
-                 f"{base[1].step_s / best.step_s:.2f}x.")
-  return lines
-
-
-def _yaml_float(x: float | None) -> str:
-  if x is None:
-    return "null"
-  text = f"{x:.6g}"
-  if "e" in text and "." not in text.split("e")[0]:
-    mant, exp = text.split("e")
-    text = f"{mant}.0e{exp}"  # YAML 1.1 reads a float only with a dot in it
-  return text
-
-
-def to_yaml(p: Plan, s: Scored, name: str, command: str = "") -> str:
-  """The mesh file of layout `s`, with comments that say where it comes from and why each axis lies where
-  it does (collectives by mesh axes, from the simulation)."""
-  hw, per = p.preset.hardware, p.preset.devices_per_node
-  rank = next((i + 1 for i, r in enumerate(p.ranked) if r is s), None)
-  lay = s.layout
-  out = ["# Planned by experiments/plan_mesh.py (gem_jax/observe/plan.py)" + (":" if command else ".")]
-  out += [f"#   {command}"] if command else []
-  out += [f"# Config {p.config}, global batch {p.batch_size}, {p.devices} x {hw.device} = {p.devices // per} nodes "
-          f"of {per}. Predicted by the",
-          f"# cluster simulator (gem_jax/observe/simulate.py, overlap {p.options['overlap']}, efficiency "
-          f"{p.options['efficiency']}), not measured: step {_ms(s.step_s)} ms",
-          f"# (compute {_ms(s.time['compute_s'])} ms), MFU {100 * s.mfu:.1f}%, {s.memory_bytes / GB:.1f} GB of "
-          f"{hw.hbm_bytes / GB:.0f} GB HBM per device"
-          + (f"; rank {rank} of {len(p.ranked)} fitting layouts ({p.counts['layouts_timed']} timed)." if rank else "."),
-          f"# Inside a node ({hw.intra_node_bandwidth / GB:.0f} GB/s per device): {lay.intra_label}. Across nodes "
-          f"({hw.inter_node_bandwidth / GB:.0f} GB/s): "
-          + (" ".join(f"{a}{n // i}" for a, n, i in zip(MESH_AXES, lay.sizes, lay.intra) if n // i > 1) or "-") + ".",
-          "# Per device and step, by the mesh axes a collective runs over:"]
-  by_key: dict[str, list] = {}
-  for sec, part, key, moved, link in s.comm():
-    entry = by_key.setdefault(key, [0.0, 0.0, link, []])
-    entry[0] += sec
-    entry[1] += moved
-    entry[3].append(part)
-  for key, (sec, moved, link, parts) in sorted(by_key.items(), key=lambda kv: -kv[1][0]):
-    out.append(f"#   {key:<28} {link:<5} {moved / GB:8.3f} GB {sec * 1e3:8.2f} ms  {', '.join(parts)}")
-  rows = " x ".join(lay.table_rows) or "nothing"
-  shape = s.mesh_spec.shape
-  copies = [a for a in MESH_AXES if a not in lay.table_rows and shape[a] > 1]
-  if s.table_sync_bytes <= 1e-3 * GB:
-    out.append(f"# Table rows over {rows} = {s.table_shards} shards: every device owns its own rows, so no row "
-               "block's gradient is all-reduced.")
-  else:
-    out.append(f"# Table rows over {rows} = {s.table_shards} shards; each block is copied over "
-               f"{', '.join(copies) or 'no axis'}, whose devices")
-    out.append(f"# all-reduce its gradient: {s.table_sync_bytes / GB:.2f} GB per device and step.")
-  whole = whole_tables(p, s)
-  if whole:
-    out.append(f"# {', '.join(whole)}: rows do not divide over {s.table_shards} shards, kept whole.")
-  data = lay.mesh_data(name, "", p.preset)
-  axes = ", ".join(f"{a}: {n}" for a, n in data["axes"].items())
-  intra = ", ".join(f"{a}: {n}" for a, n in data["intra_node"].items())
-  description = (f"planned for {p.config} on {p.devices} {hw.device} ({p.devices // per} nodes of {per}), "
-                 f"predicted {_ms(s.step_s)} ms/step")
-  out += [f"name: {name}", f"description: {json.dumps(description)}",  # a JSON string is a YAML string
-          f"axes: {{{axes}}}", f"devices_per_node: {per}", f"intra_node: {{{intra}}}", "hardware:",
-          f"  device: {json.dumps(hw.device)}"]
-  out += [f"  {k}: {_yaml_float(getattr(hw, k))}" for k in mesh_lib.HARDWARE_KEYS[1:]]
-  if "rules" in data:
-    out.append(f"rules: {{table_rows: [{', '.join(lay.table_rows)}]}}")
-  return "\n".join(out) + "\n"
-
-
-def to_json(p: Plan, top: int = 10) -> dict:
-  return {"config": p.config, "devices": p.devices, "hardware": p.preset.name, "batch_size": p.batch_size,
-          "options": p.options, "counts": p.counts, "seconds": p.seconds,
-          "ranked": [row(s) for s in p.ranked[:top]],
-          "baselines": {name: row(s) for name, s in p.baselines.items()}, "baseline_errors": p.baseline_errors,
-          "best_baseline": None if p.best_baseline() is None else p.best_baseline()[0],
-          "speedup_over_best_fitting_baseline": (None if not p.ranked or p.best_baseline() is None
-                                                 else p.best_baseline()[1].step_s / p.best.step_s),
-          "explanation": explain(p) if p.ranked else []}

@@ -13,7 +13,7 @@ Definitions (per train step unless said otherwise):
                    leaves out (~5% where matmuls dominate, ~20% at 16-wide heads; tests/test_report.py);
   mfu / hfu        model / executed FLOPs per second over (peak per device x devices); the peak comes from
                    the mesh file or, on CPU, a jitted GEMM measured in the same process;
-  rank_imbalance   max / mean per-shard cost (gem_jax/parallel/data.py row_costs) for the pipeline's balanced
+  rank_imbalance   max / mean per-shard cost (gem_jax.data.shards.py row_costs) for the pipeline's balanced
                    assignment and for a random equal split of the same rows;
   local_mfu        MFU of the same per-device batch on one device (local compute efficiency);
   scaling_efficiency  N-device examples/s / (N x one-device examples/s), same per-device batch.
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gem_jax.observe import hlo
-from gem_jax.parallel import data as data_parallel
+from gem_jax.data import shards as data_parallel
 
 TRAIN_FLOPS_FACTOR = 3.0   # forward + two backward GEMMs per forward GEMM (flops.py)
 

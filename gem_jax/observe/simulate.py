@@ -22,23 +22,19 @@ Bytes per device per train step, in the key format of gem_jax/observe/hlo.summar
                    G); the backward has one all-reduce of the same size.
   context_parallel each HSTU layer all-gathers k, v and its output over `context` (reduce-scatter back).
 
-Capacity estimate C (ids per destination of one lookup call; spmd.batch_capacities measures it on the
-first batch): the synthetic stream scrambles ids over the table, so owners are uniform; the distinct ids
-among m real draws of a bounded Zipf(s) over V rows are
-  D = sum_k 1 - (1 - p_k)^m,  p_k = k^-s / H
-and per destination mu = D / P. The measured capacity is the largest bucket over P destinations and S
-data shards, which Poisson fluctuations put near mu + sqrt(2 ln(P S) mu); C = slack x that, at most the
-ids of the call. Real draws m: b per single-hot feature, b (max_ids + 1) / 2 per multi-hot one,
-b E[min(len, keep_last[0])] per history field. s: the stream's zipf_exponent for single-hot ids,
-interest_zipf_exponent for multi-hot (interest categories), their mean for history tokens (items drawn
-Zipf inside the user's Zipf-chosen interest categories are spread between the two laws; calibrated on
-tiny: history capacity 228 / 146 predicted vs 224 / 138 measured on cpu_8 / cpu_16_5d). A different id
-law (real traffic) changes C: the estimate is the stream's, not the model's.
+Capacity estimate C (ids per destination of one lookup call; gem_jax/parallel/lookups.py measures it on
+the first batch of a run): the lookup calls and the ids each reads on a data shard of b rows are read off
+the model's trace on sample batches from the source (ModelShapes.lookups: 8 sample shards), so they follow
+the data, not a law of the synthetic stream. With at most 8 data shards, C is what the run itself would
+compute on those shards (sparse.capacity_for: slack x the largest count of distinct ids one shard sends
+one owner). With more, the largest of P x S buckets is extrapolated: the sample's D distinct ids per shard
+spread over P owners, mu = D / P per destination, and Poisson fluctuations put the largest bucket near
+mu + sqrt(2 ln(P S) mu); C = slack x that, at most the ids of the call.
 
 Times (None with null hardware, e.g. the CPU mesh files): a collective over a set of axes uses the
 intra-node bandwidth if every one of its axes lies wholly inside a node (size == intra_node), else the
 inter-node bandwidth; collectives run one after another (times add). Compute = 3 x model FLOPs
-(observe/flops.py at the stream's history lengths) / devices / (peak_bf16_flops x efficiency). Overlap
+(observe/flops.py at the source's sequence lengths) / devices / (peak_bf16_flops x efficiency). Overlap
 model: parameter collectives (gathers, reduce-scatters, gradient all-reduces) hide behind compute up to
 `overlap` x compute; lookups and the tensor / context-parallel sums sit on the critical path (exposed).
   step = compute + exposed + max(0, params_comm - overlap x compute);  MFU = model FLOPs / (step x peak x N)
@@ -56,7 +52,6 @@ This module must never compile, allocate a parameter, or touch a device.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import types
 from typing import Any
@@ -66,12 +61,13 @@ import numpy as np
 from flax import nnx
 
 from gem_jax.observe import flops as flops_lib
-from gem_jax.parallel import spmd
+from gem_jax.parallel import lookups, placement as spmd, sparse
 from gem_jax.parallel.mesh import MeshSpec, check_batch
 from gem_jax.parallel.rules import MESH_AXES
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
-_SAMPLES = 8192  # history lengths drawn (fixed seed) to average FLOPs and token counts over
+_SAMPLES = 8192  # history lengths sampled from the source to average FLOPs and token counts over
+_LOOKUP_SAMPLE_SHARDS = 8  # sample data shards of b rows whose lookup ids size the capacities
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -81,44 +77,22 @@ def _key(axes, shape) -> str:
   return ",".join(a for a in MESH_AXES if a in set(axes) and shape[a] > 1)
 
 
-def history_lengths(cfg, mean_history: float | None) -> np.ndarray:
-  """History lengths of the synthetic stream (its log-normal law, activity ~ N(0, 1) shifting mu by 0.3,
-  empty rows, the cap), or all equal to `mean_history` when given."""
-  max_len = cfg.data.spec.sequence.max_len
+def history_lengths(shapes: ModelShapes, mean_history: float | None, max_len: int) -> np.ndarray:
+  """Sequence lengths of a sample of the source's rows, or all equal to `mean_history` when given."""
   if mean_history is not None:
     if not 0 <= mean_history <= max_len:
       raise ValueError(f"mean_history={mean_history} must lie in [0, max_len={max_len}]")
     return np.full(_SAMPLES, float(mean_history))
-  s = cfg.data.synthetic
-  rng = np.random.default_rng(0)
-  raw = np.ceil(rng.lognormal(s.history_mu + 0.3 * rng.standard_normal(_SAMPLES), s.history_sigma))
-  return np.where(rng.random(_SAMPLES) < s.empty_history_prob, 0, np.clip(raw, 1, max_len)).astype(np.float64)
+  return shapes.lengths()
 
 
-@functools.lru_cache(maxsize=4096)  # a planner asks the same (table, draws) of many layouts
-def expected_distinct(num_rows: int, draws: float, zipf: float) -> float:
-  """Expected distinct ids among `draws` Zipf(zipf) draws over `num_rows` ranks: exact over the head,
-  a log-grid integral over the tail (tables of 1e9 rows cost the same as small ones)."""
-  if draws <= 0:
-    return 0.0
-  head = min(num_rows, 1 << 16)
-  k = np.arange(1, head + 1, dtype=np.float64)
-  w_head = k ** -zipf
-  norm, hit = w_head.sum(), None
-  if num_rows > head:
-    x = np.geomspace(head + 0.5, num_rows + 0.5, 4096)
-    w_tail = x ** -zipf
-    norm += np.trapezoid(w_tail, x)
-  hit = np.sum(-np.expm1(draws * np.log1p(-w_head / norm)))
-  if num_rows > head:
-    hit += np.trapezoid(-np.expm1(-draws * w_tail / norm), x)
-  return float(min(hit, draws, num_rows))
-
-
-def _capacity(num_rows, draws, ids, owners, shards, zipf, slack) -> int:
-  mu = expected_distinct(num_rows, draws, zipf) / owners
+def _capacity(ids_SxN: np.ndarray, num_rows: int, owners: int, shards: int, slack: float) -> int:
+  """C of one lookup call on a mesh of `shards` data shards from the sample shards' ids (module docstring)."""
+  if shards <= ids_SxN.shape[0]:
+    return sparse.capacity_for(list(ids_SxN[:shards]), num_rows, owners, slack, multiple=1)
+  mu = float(np.mean([np.unique(row).size for row in ids_SxN])) / owners
   worst = mu + math.sqrt(2.0 * math.log(max(owners * shards, 2)) * mu)
-  return int(max(1, min(ids, math.ceil(round(slack * worst, 9)))))
+  return int(max(1, min(ids_SxN.shape[1], math.ceil(round(slack * worst, 9)))))
 
 
 def _bucket(tokens: float, batch: int, pipeline, spec) -> int:
@@ -171,32 +145,56 @@ def _shard_bytes(tree, specs, shape) -> float:
 
 # ---------------------------------------------------------------------------------------- simulate
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False)
 class ModelShapes:
-  """The abstract model of a config: everything simulate() needs that no mesh changes. Building it
-  (nnx.eval_shape of the model and of the optimizer's init) is most of a simulate() call, so a caller
-  timing many layouts of one config builds it once (`model_shapes`) and passes it as `shapes`."""
-  model: Any      # the cfg.model, cfg.data.spec and cfg.train it was built from (checked on use)
-  spec: Any
-  train: Any
-  params: Any     # nnx.State of abstract nnx.Param, tables included
-  opt_state: Any  # abstract optimizer state of those params
+  """The abstract run of a config (build(cfg, abstract=True)): everything simulate() needs that no mesh
+  changes, and what it reads off the model and the source once. Building it is most of a simulate() call,
+  so a caller timing many layouts of one config builds it once (`model_shapes`) and passes it as `shapes`."""
+  cfg: Any
+  run: Any
+  _flops: Any = None
+  _lengths: Any = None
+  _lookups: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def params(self):
+    return self.run.state.params
+
+  @property
+  def opt_state(self):
+    return self.run.state.opt_state
 
   def check(self, cfg) -> None:
-    if (self.model, self.spec, self.train) != (cfg.model, cfg.data.spec, cfg.train):
-      raise ValueError(f"simulate: `shapes` were built for another model, feature spec or train config than "
-                       f"config {cfg.name!r}; build them with model_shapes(cfg)")
+    if (self.cfg.model, self.cfg.data, self.cfg.train, self.cfg.task) != (cfg.model, cfg.data, cfg.train, cfg.task):
+      raise ValueError(f"simulate: `shapes` were built for another model, data or train config than config "
+                       f"{cfg.name!r}; build them with model_shapes(cfg)")
+
+  def flop_model(self):
+    """The run's FLOP model (observe/flops.py, traced once)."""
+    if self._flops is None:
+      self._flops = flops_lib.FlopModel(self.run)
+    return self._flops
+
+  def lengths(self) -> np.ndarray:
+    """Sequence lengths of a sample of the source's training rows (source.stats)."""
+    if self._lengths is None:
+      self._lengths = np.asarray(self.run.source.stats(_SAMPLES)["lengths"], np.float64)
+    return self._lengths
+
+  def lookups(self, rows: int) -> list[tuple[str, np.ndarray]]:
+    """[(call key, ids of each sample shard: S x N)] of the model's lookups on data shards of `rows` rows:
+    read off the model's trace (parallel/lookups.py) on sample batches from the source."""
+    if rows not in self._lookups:
+      source = self.run.source
+      sample = source.shard(source.sample(rows * _LOOKUP_SAMPLE_SHARDS, index=0), _LOOKUP_SAMPLE_SHARDS)
+      self._lookups[rows] = lookups.lookup_ids(self.run.graphdef, self.run.rest, self.params, self.run.task, sample)
+    return self._lookups[rows]
 
 
 def model_shapes(cfg) -> ModelShapes:
-  """The abstract params and optimizer state of `cfg` (nothing allocated)."""
-  from gem_jax.model.gem import GEM
-  from gem_jax.train.optim import make_optimizer
-
-  abstract = nnx.eval_shape(lambda: GEM(cfg.data.spec, cfg.model, rngs=nnx.Rngs(0)))
-  params = nnx.state(abstract, nnx.Param)
-  opt = make_optimizer(cfg.train, params)
-  return ModelShapes(cfg.model, cfg.data.spec, cfg.train, params, jax.eval_shape(opt.init, params))
+  """The abstract run of `cfg` (nothing allocated; a mesh is given to simulate() separately)."""
+  from gem_jax.run.build import build
+  return ModelShapes(cfg, build(dataclasses.replace(cfg, mesh=None), abstract=True))
 
 
 def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_history: float | None = None,
@@ -247,32 +245,27 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
     raise AssertionError(f"simulate: parameter bytes {mine['total']} disagree with spmd.analytic_comm {analytic}")
 
   # History token counts of one data shard.
-  lengths = history_lengths(cfg, mean_history)
+  lengths = history_lengths(shapes, mean_history, spec.sequence.max_len)
   keep = model_cfg.hstu.keep_last
-  kept0 = float(np.minimum(lengths, keep[0]).mean())
   cap = _bucket(b * float(lengths.mean()), b, pipeline, spec)
 
-  # Embedding all-to-all, round 1 of every lookup call of a row-sharded table.
-  syn = cfg.data.synthetic
-  hist_zipf = (syn.zipf_exponent + syn.interest_zipf_exponent) / 2
-  calls = []  # (table, ids per call N, real draws, Zipf exponent)
-  for f in spec.sparse:
-    calls.append((f.table, b * f.max_ids, b * (f.max_ids + 1) / 2, syn.interest_zipf_exponent) if f.multi_hot
-                 else (f.table, b, b, syn.zipf_exponent))
-  n_hist = min(cap, b * keep[0])
-  calls += [(fld.table, n_hist, b * kept0, hist_zipf) for fld in spec.sequence.fields]
+  # Embedding all-to-all, round 1 of every lookup call of a row-sharded table: the calls and their distinct
+  # ids read off the model on sample shards of b rows; the worst of P x S buckets is near mu + sqrt(2 ln(PS) mu).
   capacities = {}
-  for table, n, draws, zipf in calls:
+  for key, ids_SxN in shapes.lookups(b):
+    table = key.rsplit("/", 1)[0]
     axes = p.table_axes.get(table, ())
     if axes:
       owners = math.prod(shape[a] for a in axes)
-      c = _capacity(spec.table(table).vocab_size, draws, n, owners, shards, zipf, capacity_slack)
-      capacities[f"{table}/{n}"] = max(c, capacities.get(f"{table}/{n}", 0))
-  for table, n, _, _ in calls:
-    axes = p.table_axes.get(table, ())
-    if axes:
-      owners, c = math.prod(shape[a] for a in axes), capacities[f"{table}/{n}"]
-      row = owners * c * spec.table(table).dim * np.dtype(model_cfg.params_dtype).itemsize
+      c = _capacity(ids_SxN, spec.table(table).vocab_size, owners, shards, capacity_slack)
+      capacities[key] = max(c, capacities.get(key, 0))
+  n_hist = min(cap, b * keep[0])
+  for key, c in capacities.items():
+    table = key.rsplit("/", 1)[0]
+    axes = p.table_axes[table]
+    owners = math.prod(shape[a] for a in axes)
+    row = owners * c * spec.table(table).dim * np.dtype(model_cfg.params_dtype).itemsize
+    for _ in range(sum(1 for k, _ in shapes.lookups(b) if k == key)):
       comm.ring("embedding_forward", "all-to-all", axes, owners * c * 4 + row)
       comm.ring("embedding_backward", "all-to-all", axes, row)
 
@@ -305,7 +298,7 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
 
   # Compute.
   n_dev = mesh_spec.num_devices
-  fwd_per_example = flops_lib.model_flops(model_cfg, spec, lengths) / len(lengths)
+  fwd_per_example = shapes.flop_model().forward(np.rint(lengths).astype(np.int64)) / len(lengths)
   step_flops = 3.0 * fwd_per_example * batch
   hw = mesh_spec.hardware
 
@@ -320,7 +313,7 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
   for rows in rows_per_layer:
     local = -(-rows // cp)
     activations += act * (4 * rows * d + local * (2 * uvqk + 3 * hdv) / (t if hstu_tp else 1))
-  f_in = len(spec.sparse) + (1 if spec.dense_dim else 0) + flops_lib.num_summary(model_cfg)
+  f_in = len(spec.sparse) + (1 if spec.dense_dim else 0) + model_cfg.hstu.num_contextual + 1 + model_cfg.num_recent
   activations += model_cfg.num_layers * act * b * (
       3 * f_in * e + 3 * (w.fm_outputs + w.lcb_outputs) * e + f_in * w.fm_rank + 2 * w.mlp_hidden / t)
   memory = {"params": param_bytes, "optimizer": _shard_bytes(opt_state, p.tree_specs(opt_state), shape),

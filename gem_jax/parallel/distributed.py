@@ -4,7 +4,7 @@ A run is multi-process when it is given a coordinator (flags of experiments/trai
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID variables) or launched by a cluster
 manager JAX detects itself (SLURM with more than one task, Open MPI). Every process then calls
 `jax.distributed.initialize` before touching a device; on CPU, collectives between processes go through
-gloo. Each process feeds the data shards of its own devices (gem_jax/parallel/data.py places only
+gloo. Each process feeds the data shards of its own devices (gem_jax/data/shards.py places only
 addressable shards), and only process 0 writes the run folder's logs (gem_jax/train/loop.py).
 
 On CPU, `cpu_devices` is the device count of *this* process: a 2-process run of an 8-device mesh gives

@@ -249,6 +249,14 @@ def build_mesh(spec: MeshSpec, devices: Sequence | None = None):
   return Mesh(device_grid(spec, devices), MESH_AXES)
 
 
+def build_abstract_mesh(spec: MeshSpec):
+  """jax.sharding.AbstractMesh of `spec`: axis names and sizes without devices (the simulator, the planner
+  and abstract builds of meshes larger than this host)."""
+  import jax
+  return jax.sharding.AbstractMesh(tuple(size for _, size in spec.axes), MESH_AXES,
+                                   axis_types=(jax.sharding.AxisType.Auto,) * len(spec.axes))
+
+
 def check_batch(spec: MeshSpec, batch_size: int) -> None:
   """The batch must split evenly over every data axis (data.pipeline.batch_size; shards of equal rows)."""
   if batch_size % spec.data_shards:
@@ -256,3 +264,11 @@ def check_batch(spec: MeshSpec, batch_size: int) -> None:
     raise MeshFileError(f"batch size {batch_size} does not divide over the data axes of mesh {spec.name!r} "
                         f"({shards} = {spec.data_shards} shards): set data.pipeline.batch_size to a multiple "
                         f"of {spec.data_shards}")
+
+
+# A run without a mesh file runs on this: every axis of size 1, the peak measured in the run (meshes/cpu_1.yaml
+# says the same in YAML).
+ONE_DEVICE = MeshSpec(name="one_device", description="one device (no mesh file)",
+                      axes=tuple((a, 1) for a in MESH_AXES), devices_per_node=1,
+                      intra_node=tuple((a, 1) for a in MESH_AXES),
+                      hardware=Hardware("one device", None, None, None, None, None, None))

@@ -16,7 +16,7 @@ residuals, so the activations kept for backward are FP8 (elems + scales) instead
 values are the same as quantizing in the backward pass, the memory is ~4x smaller.
 
   "bf16"        operands and gradients rounded to bfloat16, float32 accumulation (the baseline).
-  "mxfp8"       OCP MXFP8 (gem_jax/precision/mx.py): E4M3 elements for activations, weights and
+  "mxfp8"       OCP MXFP8 (pallas_kernels/mx.py): E4M3 elements for activations, weights and
                 gradients, E8M0 scale per 32 values, floor scales (the spec's rule).
   "mxfp8_rceil" the same with round-up scales (cuBLAS / torchao): no saturation, one binade less range.
   "mxfp8_e5m2"  MXFP8 with E5M2 gradients.
@@ -44,7 +44,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gem_jax.precision import mx
+from pallas_kernels import mx
 from pallas_kernels import vma
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)

@@ -1,9 +1,9 @@
-"""Per-layer precision policy: layer-name patterns -> FP8 recipe, applied to a built model.
+"""Per-layer precision policy: layer-name patterns -> FP8 recipe, resolved for each layer as it is built.
 
 Every Dense layer of the model is a *site*, named by its path in the module tree ("layers.0.hstu.uvqk",
-"heads.trunk", "feature_proj.user_segment"). `apply(model, PrecisionConfig)` gives each site its recipe
-(gem_jax/precision/fp8.py) or None (plain matmul in the compute dtype), so changing the policy never
-touches model code: the config names a policy and optional rules.
+"heads.trunk", "feature_proj.user_segment"). A Dense calls `resolve(site, K, N, PrecisionConfig)` when it
+is built and keeps the recipe (gem_jax/precision/fp8.py) or None (plain matmul in the compute dtype), so
+changing the policy never touches model code: the config names a policy and optional rules.
 
   PrecisionConfig(policy="fp8", rules=("layers.1.*=bf16",), min_dim=64, impl="auto")
 
@@ -97,31 +97,13 @@ def resolve(site: str, in_features: int, out_features: int, cfg: PrecisionConfig
   return default
 
 
-def dense_sites(model):
-  """(site name, Dense module) for every Dense layer of the model, in module-tree order."""
-  from flax import nnx
-
-  from gem_jax.model.layers import Dense
-  return [(".".join(str(p) for p in path), m) for path, m in nnx.iter_modules(model) if isinstance(m, Dense)]
-
-
-def apply(model, cfg: PrecisionConfig):
-  """Names every Dense site of `model` and sets its recipe from `cfg`. Returns {site: recipe}."""
-  chosen = {}
-  for site, dense in dense_sites(model):
-    dense.site = site
-    dense.recipe = resolve(site, dense.in_features, dense.out_features, cfg)
-    dense.fp8_impl = cfg.impl
-    chosen[site] = dense.recipe
-  return chosen
-
-
-def flop_share(model, rows_by_site: dict[str, int] | None = None) -> dict[str, float]:
-  """Share of the Dense sites' matmul FLOPs under each recipe ("none": compute dtype). A site costs
-  rows x K x N; `rows_by_site` (e.g. from a probe capture: tokens for sequence sites, examples for the
-  rest) defaults to 1 row per site."""
+def flop_share(sites, rows_by_site: dict[str, int] | None = None) -> dict[str, float]:
+  """Share of the Dense sites' matmul FLOPs under each recipe ("none": compute dtype). `sites`: the
+  model's (site, Dense) pairs (gem_jax/model/layers.py dense_sites). A site costs rows x K x N;
+  `rows_by_site` (e.g. from a probe capture: tokens for sequence sites, examples for the rest) defaults
+  to 1 row per site."""
   total, by = 0, {}
-  for site, dense in dense_sites(model):
+  for site, dense in sites:
     f = (rows_by_site or {}).get(site, 1) * dense.in_features * dense.out_features
     total += f
     key = dense.recipe or "none"
@@ -131,12 +113,21 @@ def flop_share(model, rows_by_site: dict[str, int] | None = None) -> dict[str, f
 
 # --- probe interception (gem_jax/runtime.py holds the probe while a probe traces) --------------------------
 
-def probing(inputs: dict, taps: dict | None = None, swap: tuple | None = None):
+def probing(inputs: dict, taps: dict | None = None, swap: tuple | None = None, recipes: dict | None = None):
   """While active, every Dense site stores its input in `inputs[site]` and adds `taps[site]` (when given)
   to its output, so the gradient w.r.t. a zero tap is dL/d(site output). `swap = (recipe, select)` with
   select {site: bool scalar, possibly traced} replaces a site's output by its output under `recipe`
-  where select is true: one compiled program can then switch sites between recipes at run time."""
-  return runtime.using(probe=runtime.Probe(inputs, taps or {}, swap))
+  where select is true: one compiled program can then switch sites between recipes at run time.
+  `recipes` {site: recipe or None} overrides the recipe the layer was built with (None: compute dtype)."""
+  return runtime.using(probe=runtime.Probe(inputs, taps or {}, swap, recipes))
+
+
+def recipe_at_call(site: str, built: str | None) -> str | None:
+  """The recipe a Dense site runs now: the one it was built with unless a probe overrides it."""
+  probe = runtime.current().probe
+  if probe is not None and probe.recipes is not None and site in probe.recipes:
+    return probe.recipes[site]
+  return built
 
 
 def intercept(site: str, x, y, alternative=None):

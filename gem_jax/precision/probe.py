@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gem_jax.model.heads import multitask_loss
 from gem_jax.precision import fp8, policy
 
 PROBED = ("mxfp8", "mxfp8_rceil", "mxfp8_e5m2", "rowwise", "tensorwise")
@@ -43,34 +42,29 @@ class SiteCapture:
   gs_MxN: list
 
 
-def capture(model, batches, spec) -> dict[str, SiteCapture]:
+def capture(model, sites, batches, loss_fn) -> dict[str, SiteCapture]:
   """Inputs and output gradients of every Dense site over `batches`, with the model in high precision.
 
-  One jitted function per batch shape returns both: the forward records every site's input, and the
-  gradient of the loss w.r.t. zero taps on the site outputs is each site's g."""
+  sites: the model's (site, Dense) pairs (gem_jax/model/layers.py dense_sites); loss_fn(model, batch) ->
+  the scalar training loss (the task's). One jitted function per batch shape returns both: the forward
+  records every site's input, and the gradient of the loss w.r.t. zero taps on the site outputs is each
+  site's g. The sites run in the compute dtype throughout (the probe's recipe override)."""
   from flax import nnx
 
-  sites = policy.dense_sites(model)
-  saved = {site: dense.recipe for site, dense in sites}
   widths = {site: dense.out_features for site, dense in sites}
   out = {site: SiteCapture(site, np.asarray(dense.kernel[...], np.float32), [], []) for site, dense in sites}
-  try:
-    for _, dense in sites:
-      dense.recipe = None
-    graphdef, state = nnx.split(model)
-  finally:
-    for site, dense in sites:
-      dense.recipe = saved[site]
+  high = {site: None for site, _ in sites}
+  graphdef, state = nnx.split(model)
 
   def loss_of(taps, state, batch):
-    with policy.probing({}, taps):
-      return multitask_loss(nnx.merge(graphdef, state)(batch), batch, spec)[0]
+    with policy.probing({}, taps, recipes=high):
+      return loss_fn(nnx.merge(graphdef, state), batch)
 
   @jax.jit
   def inputs_and_grads(state, batch):
     inputs = {}
-    with policy.probing(inputs):
-      nnx.merge(graphdef, state)(batch)
+    with policy.probing(inputs, recipes=high):
+      loss_fn(nnx.merge(graphdef, state), batch)
     taps = {site: jnp.zeros(x.shape[:-1] + (widths[site],), jnp.float32) for site, x in inputs.items()}
     return inputs, jax.grad(loss_of)(taps, state, batch)
 
@@ -130,11 +124,12 @@ def measure(captures: dict[str, SiteCapture], recipes=PROBED) -> list[dict]:
   return rows
 
 
-def end_to_end(model, batches, spec, recipe: str = "mxfp8_rceil", base: str = "bf16",
+def end_to_end(model, sites, batches, loss_fn, recipe: str = "mxfp8_rceil", base: str = "bf16",
                sets: dict | None = None, singles: bool | Iterable[str] = True) -> dict:
   """Whole-model gradient SNR (dB, all parameters, summed over batches) against the model with every
   site in `base`, when only one site at a time runs `recipe` ("sites"), when every site does ("all"),
   and for each named set of sites in `sets`. `singles` may name the sites to measure one at a time.
+  sites and loss_fn as for `capture`.
 
   The per-site SNRs of `measure` are local: errors that a site adds to dx travel down the backward chain
   and compound, so a site early in the model or feeding many parameters can cost far more than its own
@@ -144,21 +139,14 @@ def end_to_end(model, batches, spec, recipe: str = "mxfp8_rceil", base: str = "b
   """
   from flax import nnx
 
-  sites = policy.dense_sites(model)
-  saved = {site: dense.recipe for site, dense in sites}
-  try:
-    for _, dense in sites:
-      dense.recipe = base
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  finally:
-    for site, dense in sites:
-      dense.recipe = saved[site]
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  every_site_base = {site: base for site, _ in sites}
 
-  def loss_fn(params, batch, select):
-    with policy.probing({}, None, swap=(recipe, select)):
-      return multitask_loss(nnx.merge(graphdef, params, rest)(batch), batch, spec)[0]
+  def switched_loss(params, batch, select):
+    with policy.probing({}, None, swap=(recipe, select), recipes=every_site_base):
+      return loss_fn(nnx.merge(graphdef, params, rest), batch)
 
-  grad_fn = jax.jit(jax.value_and_grad(loss_fn))
+  grad_fn = jax.jit(jax.value_and_grad(switched_loss))
   names = [site for site, _ in sites]
   off = {site: jnp.zeros((), bool) for site in names}
   flat = lambda grads: np.concatenate([np.asarray(g, np.float64).ravel() for g in jax.tree_util.tree_leaves(grads)])

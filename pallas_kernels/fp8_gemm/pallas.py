@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from gem_jax.precision import mx
+from pallas_kernels import mx
 from pallas_kernels import vma
 
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -151,7 +151,7 @@ def _gemm_call(kernel, a_MpxKp, sa_MpxS, b_KpxNp, sb_SxNp, bm: int, bn: int, nam
               pl.BlockSpec((bm, sa_MpxS.shape[1]), lambda i, j: (i, 0)),
               pl.BlockSpec((kp, bn), lambda i, j: (0, j)),
               pl.BlockSpec((sb_SxNp.shape[0], bn), lambda i, j: (0, j))]
-  return pl.pallas_call(
+  return vma.interpretable(pl.pallas_call(
       kernel, grid=(mp // bm, np_ // bn), in_specs=in_specs,
       out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
       out_shape=vma.shape_dtype((mp, np_), jnp.float32, a_MpxKp, sa_MpxS, b_KpxNp, sb_SxNp),
@@ -159,7 +159,7 @@ def _gemm_call(kernel, a_MpxKp, sa_MpxS, b_KpxNp, sb_SxNp, bm: int, bn: int, nam
       # 8 warps from 128 x 128 tiles keep the f32 accumulator and dequantized tiles out of local memory.
       compiler_params=pl_triton.CompilerParams(num_warps=8 if bm * bn >= 128 * 128 else 4,
                                                num_stages=3),
-      interpret=interpret, name=name)(a_MpxKp, sa_MpxS, b_KpxNp, sb_SxNp)
+      interpret=interpret, name=name), a_MpxKp, sa_MpxS, b_KpxNp, sb_SxNp, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))

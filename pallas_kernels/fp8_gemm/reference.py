@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gem_jax.precision import mx
+from pallas_kernels import mx
 
 
 def mx_gemm(a_elems_MxK, a_scales_MxKb, b_elems_KxN, b_scales_KbxN, block_size: int = mx.BLOCK_SIZE):

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gem_jax.precision import mx
+from pallas_kernels import mx
 
 try:
   import triton

@@ -306,12 +306,12 @@ def hstu_attention_fwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, offsets_Bp, targets
   """
   specs, operands = _common_specs(s, offsets_Bp, targets_Bp, (q_TpxHxD, k_TpxHxD, v_TpxHxDv), bias_HxRp)
   grid = (num_rows, q_TpxHxD.shape[1], _cdiv(s.max_seq_len, s.block_q))
-  return pl.pallas_call(
+  return vma.interpretable(pl.pallas_call(
       lambda *refs: _fwd_kernel(*refs, s=s), grid=grid, in_specs=specs,
       out_specs=_slab_spec(v_TpxHxDv.shape),
       out_shape=vma.shape_dtype(v_TpxHxDv.shape, v_TpxHxDv.dtype, *operands),
       compiler_params=_compiler_params(s, num_stages=3), interpret=interpret,
-      name="hstu_attention_fwd")(*operands)
+      name="hstu_attention_fwd"), *operands, interpret=interpret)
 
 
 def hstu_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, offsets_Bp, targets_Bp,
@@ -323,13 +323,13 @@ def hstu_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, offsets
   arrays = (q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv)
   specs, operands = _common_specs(s, offsets_Bp, targets_Bp, arrays, bias_HxRp)
   num_heads = q_TpxHxD.shape[1]
-  dq_TpxHxD = pl.pallas_call(
+  dq_TpxHxD = vma.interpretable(pl.pallas_call(
       lambda *refs: _dq_kernel(*refs, s=s),
       grid=(num_rows, num_heads, _cdiv(s.max_seq_len, s.block_q)), in_specs=specs,
       out_specs=_slab_spec(q_TpxHxD.shape),
       out_shape=vma.shape_dtype(q_TpxHxD.shape, q_TpxHxD.dtype, *operands),
       compiler_params=_compiler_params(s, num_stages=2), interpret=interpret,
-      name="hstu_attention_dq")(*operands)
+      name="hstu_attention_dq"), *operands, interpret=interpret)
 
   num_kb = _cdiv(s.max_seq_len, s.block_k)
   out_specs = [_slab_spec(k_TpxHxD.shape), _slab_spec(v_TpxHxDv.shape)]
@@ -339,9 +339,9 @@ def hstu_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, offsets
     num_seg = pl.next_power_of_2(len(s.segments))
     out_specs.append(pl.BlockSpec((None, None, None, num_seg), lambda b, h, i: (b, h, i, 0)))
     out_shape.append(vma.shape_dtype((num_rows, num_heads, num_kb, num_seg), jnp.float32, *operands))
-  outs = pl.pallas_call(
+  outs = vma.interpretable(pl.pallas_call(
       lambda *refs: _dkv_kernel(*refs, s=s), grid=(num_rows, num_heads, num_kb), in_specs=specs,
       out_specs=out_specs, out_shape=out_shape, compiler_params=_compiler_params(s, num_stages=2),
-      interpret=interpret, name="hstu_attention_dkv")(*operands)
+      interpret=interpret, name="hstu_attention_dkv"), *operands, interpret=interpret)
   dbias_HxG = outs[2].sum(axis=(0, 2))[:, :len(s.segments)] if s.segments else None
   return dq_TpxHxD, outs[0], outs[1], dbias_HxG

@@ -162,14 +162,14 @@ def softmax_attention_fwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, offsets_Bp, targ
   """(out_TpxHxDv, lse_HxTp); slots no row owns are left unwritten (the caller zeroes them)."""
   specs, operands = hp._common_specs(s, offsets_Bp, targets_Bp, (q_TpxHxD, k_TpxHxD, v_TpxHxDv), None)
   lse_shape = (q_TpxHxD.shape[1], q_TpxHxD.shape[0])
-  return pl.pallas_call(
+  return vma.interpretable(pl.pallas_call(
       functools.partial(_fwd_kernel, s=s),
       grid=(num_rows, q_TpxHxD.shape[1], hp._cdiv(s.max_seq_len, s.block_q)), in_specs=specs,
       out_specs=[hp._slab_spec(v_TpxHxDv.shape), _stat_spec(lse_shape)],
       out_shape=[vma.shape_dtype(v_TpxHxDv.shape, v_TpxHxDv.dtype, *operands),
                  vma.shape_dtype(lse_shape, jnp.float32, *operands)],
       compiler_params=hp._compiler_params(s, num_stages=3), interpret=interpret,
-      name="jagged_softmax_attention_fwd")(*operands)
+      name="jagged_softmax_attention_fwd"), *operands, interpret=interpret)
 
 
 def softmax_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, lse_HxTp, delta_HxTp, offsets_Bp,
@@ -180,21 +180,21 @@ def softmax_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, lse_
   specs += [_stat_spec(lse_HxTp.shape), _stat_spec(delta_HxTp.shape)]
   operands += [lse_HxTp, delta_HxTp]
   num_heads = q_TpxHxD.shape[1]
-  dq_TpxHxD = pl.pallas_call(
+  dq_TpxHxD = vma.interpretable(pl.pallas_call(
       functools.partial(_dq_kernel, s=s),
       grid=(num_rows, num_heads, hp._cdiv(s.max_seq_len, s.block_q)), in_specs=specs,
       out_specs=hp._slab_spec(q_TpxHxD.shape),
       out_shape=vma.shape_dtype(q_TpxHxD.shape, q_TpxHxD.dtype, *operands),
       compiler_params=hp._compiler_params(s, num_stages=2), interpret=interpret,
-      name="jagged_softmax_attention_dq")(*operands)
-  dk_TpxHxD, dv_TpxHxDv = pl.pallas_call(
+      name="jagged_softmax_attention_dq"), *operands, interpret=interpret)
+  dk_TpxHxD, dv_TpxHxDv = vma.interpretable(pl.pallas_call(
       functools.partial(_dkv_kernel, s=s),
       grid=(num_rows, num_heads, hp._cdiv(s.max_seq_len, s.block_k)), in_specs=specs,
       out_specs=[hp._slab_spec(k_TpxHxD.shape), hp._slab_spec(v_TpxHxDv.shape)],
       out_shape=[vma.shape_dtype(k_TpxHxD.shape, k_TpxHxD.dtype, *operands),
                  vma.shape_dtype(v_TpxHxDv.shape, v_TpxHxDv.dtype, *operands)],
       compiler_params=hp._compiler_params(s, num_stages=2), interpret=interpret,
-      name="jagged_softmax_attention_dkv")(*operands)
+      name="jagged_softmax_attention_dkv"), *operands, interpret=interpret)
   return dq_TpxHxD, dk_TpxHxD, dv_TpxHxDv
 
 

@@ -10,7 +10,7 @@ from gem_jax import configs
 from gem_jax.data import pipeline
 from gem_jax.data.synthetic import SyntheticAdsStream
 from gem_jax.data.validate import BatchValidationError
-from gem_jax.parallel import data as pdata
+from gem_jax.data import shards as pdata
 from gem_jax.parallel import mesh as mesh_lib
 from gem_jax.parallel.rules import DATA_AXES
 
@@ -75,7 +75,7 @@ def test_overfull_shard_raises(tiny_batch):
   f = cfg.data.spec.multi_hot[0]
   values, offsets = np.asarray(batch.multi_hot[f.name].values), np.asarray(batch.multi_hot[f.name].offsets)
   with pytest.raises(BatchValidationError, match=f"{f.name}: a data shard holds"):
-    pdata._pack_jagged(values, offsets, rows, 1, None, f.name)
+    pdata.pack_jagged(values, offsets, rows, 1, None, f.name)
   pdata.shard_batch(batch, cfg.data.spec, tight, 4, rows_Sxb=rows)  # the real capacities fit
 
 

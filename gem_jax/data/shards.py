@@ -3,7 +3,8 @@
 A global batch of B rows is split into S = replica * fsdp * sparse data shards of b = B / S rows. Each
 shard is a complete Batch of its own (its jagged parts re-packed with local offsets), and the S shards
 are stacked along a new leading dim that is sharded over the data axes, so inside the SPMD step every
-device sees one ordinary local Batch (gem_jax/parallel/spmd.py squeezes the leading dim).
+device sees one ordinary local Batch (gem_jax/parallel/spmd.py squeezes the leading dim). One data shard
+(one device, or a mesh of tensor / context axes only) keeps the batch as it is, with that leading dim.
 
 Which rows go to which shard: attention costs ~len^2 per sequence and the rest ~len, so round-robin on a
 heavy-tailed batch leaves one shard with most of the work and every other device waiting on it. Rows are
@@ -71,7 +72,7 @@ def _jagged_rows(jag: Jagged) -> tuple[np.ndarray, np.ndarray]:
   return np.asarray(jag.values), offsets
 
 
-def _pack_jagged(values: np.ndarray, offsets: np.ndarray, rows_Sxb: np.ndarray, capacity: int | None,
+def pack_jagged(values: np.ndarray, offsets: np.ndarray, rows_Sxb: np.ndarray, capacity: int | None,
                  buckets: tuple[int, ...] | None, name: str) -> Jagged:
   """Re-packs the rows of one global jagged array into S local ones of a common static capacity."""
   S, b = rows_Sxb.shape
@@ -105,6 +106,8 @@ def shard_batch(batch: Batch, spec: FeatureSpec, cfg: PipelineConfig, num_shards
   B = batch.batch_size
   if B % num_shards:
     raise ValueError(f"batch of {B} rows does not split into {num_shards} data shards (replica x fsdp x sparse)")
+  if num_shards == 1 and rows_Sxb is None:  # nothing to assign or re-pack
+    return jax.tree_util.tree_map(lambda x: np.asarray(x)[None], batch)
   lengths = np.diff(np.asarray(batch.history.offsets))
   if rows_Sxb is None:
     rows_Sxb = assign_rows(row_costs(lengths), num_shards)
@@ -114,9 +117,9 @@ def shard_batch(batch: Batch, spec: FeatureSpec, cfg: PipelineConfig, num_shards
   multi_hot = {}
   for f in spec.multi_hot:
     values, offsets = _jagged_rows(batch.multi_hot[f.name])
-    multi_hot[f.name] = _pack_jagged(values, offsets, rows_Sxb, local_cfg.multi_hot_capacity(f), None, f.name)
+    multi_hot[f.name] = pack_jagged(values, offsets, rows_Sxb, local_cfg.multi_hot_capacity(f), None, f.name)
   values, offsets = _jagged_rows(batch.history)
-  history = _pack_jagged(values, offsets, rows_Sxb, None, local_cfg.history_buckets(spec), "history")
+  history = pack_jagged(values, offsets, rows_Sxb, None, local_cfg.history_buckets(spec), "history")
   return Batch(
       sparse={k: take(v) for k, v in batch.sparse.items()},
       multi_hot=multi_hot,

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from gem_jax.train.config import TrainConfig
+from gem_jax.config import TrainConfig
 
 TABLE = "table"
 DENSE = "dense"
@@ -163,14 +163,16 @@ def _lookup(known: dict, pick: Callable[[str, int], Any]) -> Callable[[Any], Any
 
 
 # ---- the optimizer --------------------------------------------------------------------------------
-def dense_schedule(cfg: TrainConfig) -> optax.Schedule:
-  """0 -> learning_rate linearly over warmup_steps, then cosine to learning_rate * end_lr_fraction."""
+def dense_schedule(cfg: TrainConfig, total_steps: int | None = None) -> optax.Schedule:
+  """0 -> learning_rate linearly over warmup_steps, then cosine to learning_rate * end_lr_fraction at
+  total_steps (default train.steps; a run over epochs passes its own)."""
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-      decay_steps=cfg.steps, end_value=cfg.learning_rate * cfg.end_lr_fraction)
+      decay_steps=total_steps or cfg.steps, end_value=cfg.learning_rate * cfg.end_lr_fraction)
 
 
-def make_optimizer(cfg: TrainConfig, params, table_type: type | None = None) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig, params, table_type: type | None = None,
+                   total_steps: int | None = None) -> optax.GradientTransformation:
   """Tables -> row-wise Adagrad; everything else -> global-norm clip + AdamW (decay on >= 2-D kernels).
 
   `params`: the typed parameter tree (nnx.State of nnx.Variables) the optimizer is built for. The result
@@ -179,7 +181,7 @@ def make_optimizer(cfg: TrainConfig, params, table_type: type | None = None) -> 
   known = _labels_by_path(params, table_type)
   dense = optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip_norm),
-      optax.adamw(dense_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+      optax.adamw(dense_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
                   mask=_lookup(known, lambda label, ndim: label == DENSE and ndim >= 2)),
   )
   tables = rowwise_adagrad(cfg.embedding_learning_rate, cfg.adagrad_initial_accumulator, cfg.adagrad_eps)

@@ -1,0 +1,158 @@
+"""Runs one config on several mesh files and reports, per mesh, what the compiled step moves and holds.
+
+Every mesh trains the same model from the same seed on the same batches, so the loss trajectories must
+agree up to the order of floating-point additions; `max_rel_loss_diff` compares each one with the first
+mesh. Per mesh (`sweep_one`):
+  losses                 per step
+  memory                 compiled memory analysis per device (gem_jax/observe/hlo.py)
+  comm.by_kind/by_axis   bytes leaving one device per step, by collective kind and by mesh axes, parsed from
+                         the compiled HLO (collectives in the lookup's fallback branch are listed apart and
+                         counted only on the steps it ran)
+  comm.dense             measured parameter traffic (everything but the lookups, the tensor-parallel
+                         activation sums and scalars) next to the analytic HSDP volume of the placement
+                         (gem_jax/parallel/placement.py analytic_comm)
+  comm.tensor_parallel_bytes   the all-reduces of the tensor-parallel pairs (forward and backward)
+  comm.context_parallel_bytes  the gathers of keys, values and outputs of context-parallel HSTU layers
+  embedding              all-to-all bytes of the lookups (forward, and backward), the ideal bytes (distinct
+                         remote ids out + their rows back, per device, from the step's own counts) and
+                         embedding_comm_ratio = forward bytes / ideal
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import jax
+import numpy as np
+
+from gem_jax.config import apply_overrides
+from gem_jax.observe import hlo
+from gem_jax.parallel import mesh as mesh_lib
+from gem_jax.parallel import placement as spmd
+from gem_jax.parallel import sparse
+from gem_jax.run.build import build
+
+
+def _is_scalar_collective(c) -> bool:
+  return c.operand_bytes <= 64  # losses, counts, norms: a few floats
+
+
+def sweep_one(path: str, cfg, batches, *, capacity_slack: float = 1.05, capacity_multiple: int = 1) -> dict:
+  """One mesh file's record of the sweep (module docstring): cfg built on it (its first devices), trained on
+  `batches` from the same seed, its compiled program read."""
+  mesh_spec = mesh_lib.load(path)
+  run = build(dataclasses.replace(cfg, mesh=path), devices=jax.devices()[:mesh_spec.num_devices],
+              first_batch=batches[0], capacity_slack=capacity_slack, capacity_multiple=capacity_multiple)
+  spec, mesh, params_host = cfg.data.spec, run.mesh, run.state.params
+  device_batches = [run.device_batch(b) for b in batches]
+  t0 = time.perf_counter()
+  compiled = run.train_step.lower(run.state, device_batches[0]).compile()
+  compile_s = time.perf_counter() - t0
+  colls = hlo.collectives(compiled.as_text(), mesh)
+
+  state = run.state
+  losses, times, stats = [], [], []
+  for b in device_batches:
+    t = time.perf_counter()
+    state, metrics = compiled(state, b)
+    metrics = jax.device_get(metrics)
+    times.append(time.perf_counter() - t)
+    losses.append(float(metrics["loss"]))
+    stats.append({k: float(v) for k, v in metrics.items() if k.startswith("emb/")})
+
+  lookup = hlo.select(colls, op_name_contains="embedding_lookup")
+  fwd = [c for c in lookup if "transpose(" not in c.op_name and not c.conditional]
+  bwd = [c for c in lookup if "transpose(" in c.op_name and not c.conditional]
+  tensor_parallel = hlo.select(colls, op_name_contains="tensor_parallel")
+  context_parallel = hlo.select(colls, op_name_contains="context_parallel")
+  other = [c for c in colls if c not in lookup and c not in tensor_parallel and c not in context_parallel]
+  params_like = [c for c in other if not _is_scalar_collective(c)]
+  # Lookup calls ("table/N"), each with its table's row width.
+  calls = {c: spec.table(c.rsplit("/", 1)[0]).dim for c in run.capacities}
+  moved = lambda cs: sum(c.moved_bytes * c.count for c in cs)
+  forward = lambda cs: [c for c in cs if "transpose(" not in c.op_name]
+  rounds = ("spill", "second", "last_resort")
+  fallback = {r: [c for c in lookup if c.conditional and f"/{r}/" in c.op_name] for r in rounds}
+  ran = {c: {r: sum(1 for s in stats if s.get(f"emb/{c}/{r}", 0) > 0) / max(len(stats), 1) for r in rounds}
+         for c in calls}
+  # Fallback rounds are charged, per call, on the fraction of steps they ran.
+  fallback_fwd = {r: sum(ran[c][r] * moved([x for x in forward(fallback[r]) if f"table={c}/" in x.op_name])
+                         for c in calls) for r in rounds}
+  overflow_steps = sum(1 for s in stats if any(s.get(f"emb/{c}/overflow", 0) > 0 for c in calls))
+  ideal = float(np.mean([sum(sparse.ideal_bytes(s.get(f"emb/{c}/remote_unique", 0.0), e) for c, e in calls.items())
+                         for s in stats])) if calls else 0.0
+  fwd_bytes = moved(fwd) + sum(fallback_fwd.values())
+  analytic = spmd.analytic_comm(run.plan, params_host)
+  measured_params = moved(params_like)
+  expected_params = analytic["dense_total"] + analytic["table_grad_sync"]
+  return {
+      "mesh": mesh_spec.name,
+      "axes": dict(mesh_spec.axes),
+      "devices": mesh_spec.num_devices,
+      "losses": losses,
+      "step_time_s_median": float(np.median(times[1:] if len(times) > 1 else times)),
+      "compile_s": compile_s,
+      "memory": hlo.memory(compiled),
+      "placement_notes": list(run.plan.notes),
+      "capacities": run.capacities,
+      "comm": {
+          **hlo.summarize(colls),
+          "fallback_bytes_if_run": {r: moved(fallback[r]) for r in rounds},
+          "dense": {"measured_bytes": measured_params, "analytic_bytes": expected_params,
+                    "ratio": measured_params / expected_params if expected_params else None,
+                    "analytic": analytic,
+                    "measured_by_kind": hlo.summarize(params_like)["by_kind"]},
+          # Activations of the tensor-parallel pairs (forward partial sums and their backward).
+          "tensor_parallel_bytes": moved(tensor_parallel),
+          # Keys, values and outputs of the context-parallel HSTU layers (forward gathers and their
+          # backward reduce-scatters).
+          "context_parallel_bytes": moved(context_parallel),
+      },
+      "embedding": {
+          "forward_all_to_all_bytes": fwd_bytes,
+          "backward_all_to_all_bytes": moved(bwd),
+          "ideal_bytes": ideal,
+          "embedding_comm_ratio": fwd_bytes / ideal if ideal else None,
+          "fallback_steps": overflow_steps,
+          "round1_bytes": moved(fwd),
+          "fallback_bytes": fallback_fwd,
+          "fallback_rates": ran,
+          "all_gathers_in_lookup": sum(1 for c in lookup if c.kind == "all-gather"),
+          "table_axes": {t: list(a) for t, a in run.plan.table_axes.items()},
+      },
+  }
+
+
+def sweep(cfg, meshes, *, steps: int, batch_size: int, capacity_slack: float = 1.05,
+          capacity_multiple: int = 1) -> dict:
+  """Every mesh file of `meshes` on the same `steps` batches of `batch_size` rows (module docstring)."""
+  cfg = apply_overrides(cfg, [f"data.pipeline.batch_size={batch_size}"])
+  source = build(cfg, abstract=True).source
+  batches = [source.sample(batch_size, index=i) for i in range(steps)]
+  results = []
+  for path in meshes:
+    print(f"--- {path}", flush=True)
+    results.append(sweep_one(path, cfg, batches, capacity_slack=capacity_slack, capacity_multiple=capacity_multiple))
+  base = np.asarray(results[0]["losses"])
+  for r in results:
+    r["max_rel_loss_diff"] = float(np.max(np.abs(np.asarray(r["losses"]) / base - 1.0)))
+  return {"config": cfg.name, "batch_size": batch_size, "steps": steps, "meshes": results}
+
+
+def table(result: dict) -> str:
+  """The sweep as a console table, then the bytes by mesh axes of every mesh."""
+  lines = [f"{'mesh':12s} {'dev':>4s} {'loss[-1]':>9s} {'max rel':>9s} {'step s':>7s} {'peak MB':>8s} "
+           f"{'dense MB':>9s} {'analytic':>9s} {'ratio':>6s} {'emb fwd KB':>10s} {'ideal KB':>9s} {'emb ratio':>9s}"]
+  fmt = lambda x, w, p: f"{x:{w}.{p}f}" if x is not None else f"{'-':>{w}s}"
+  for r in result["meshes"]:
+    d, e = r["comm"]["dense"], r["embedding"]
+    peak = r["memory"].get("peak_estimate", float("nan")) / 1e6
+    lines.append(f"{r['mesh']:12s} {r['devices']:4d} {r['losses'][-1]:9.5f} {r['max_rel_loss_diff']:9.2e} "
+                 f"{r['step_time_s_median']:7.3f} {peak:8.2f} {d['measured_bytes'] / 1e6:9.3f} "
+                 f"{d['analytic_bytes'] / 1e6:9.3f} {fmt(d['ratio'], 6, 3)} {e['forward_all_to_all_bytes'] / 1e3:10.1f} "
+                 f"{e['ideal_bytes'] / 1e3:9.1f} {fmt(e['embedding_comm_ratio'], 9, 3)}")
+  for r in result["meshes"]:
+    lines.append(f"{r['mesh']}: bytes by axis {json.dumps({k: round(v) for k, v in r['comm']['by_axis'].items()})}")
+  return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""build(cfg) -> Run: the only place that assembles a run from its config.
+
+  run = build(cfg)                   # data source, task, model, optimizer, mesh, placement, state, steps
+  run = build(cfg, abstract=True)    # the same with nothing allocated: shapes, shardings, the steps to trace
+                                     # with jax.eval_shape (an abstract mesh and no steps when the mesh has
+                                     # more devices than this process: the simulator, the planner)
+
+Order: the config, the mesh file and the devices are checked (gem_jax/check.py) before anything is built;
+then the source (gem_jax/data/sources.py, by cfg.data's type), the task (gem_jax/run/tasks.py, by
+cfg.task's type) and its selection metric, the model's shapes (jax.eval_shape) and its tensor-parallel cuts,
+the model the task builds, the optimizer (gem_jax/run/optim.py), the mesh (cfg.mesh, or
+the 1x1x1x1x1 mesh of one device), the placement of every parameter (gem_jax/parallel/placement.py), the
+state laid out on the mesh, the lookup capacities of the first training batch, and the one train and eval
+step (gem_jax/run/step.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from gem_jax import check
+from gem_jax.data import sources
+from gem_jax.data import shards
+from gem_jax.parallel import mesh as mesh_lib
+from gem_jax.parallel import lookups, placement
+from gem_jax.parallel.rules import DATA_AXES
+from gem_jax.run import optim, step as step_lib, tasks
+
+# Registers the next-item task and source with their registries (they live in their own files).
+from gem_jax.data import seqrec_source  # noqa: F401  isort: skip
+from gem_jax.run import next_item  # noqa: F401  isort: skip
+
+
+@dataclasses.dataclass
+class Run:
+  """What a config builds: everything the trainer, the meter and the simulator need (module docstring)."""
+  cfg: Any
+  source: Any
+  task: Any
+  mesh_spec: mesh_lib.MeshSpec
+  mesh: Any                      # jax.sharding.Mesh, or an AbstractMesh when abstract
+  plan: placement.Plan
+  optimizer: Any
+  graphdef: Any
+  rest: Any                      # the model's non-parameter state
+  state: step_lib.TrainState     # placed on the mesh, or ShapeDtypeStructs with their shardings
+  capacities: dict[str, int]
+  train_step: Any = None         # None on an abstract mesh
+  eval_step: Any = None
+
+  @property
+  def num_devices(self) -> int:
+    return self.mesh_spec.num_devices
+
+  @property
+  def data_shards(self) -> int:
+    return self.plan.num_data_shards
+
+  def model(self, params=None):
+    """The model with `params` (default: the state's)."""
+    return nnx.merge(self.graphdef, self.state.params if params is None else params, self.rest)
+
+  def shard(self, host_batch):
+    """A host batch split into the mesh's data shards (leading dim), still on the host."""
+    return self.source.shard(host_batch, self.data_shards)
+
+  def place(self, sharded):
+    """A sharded host batch on the mesh: leading dim over the data axes. Each process of a multi-process
+    run transfers only its own devices' shards (make_array_from_callback)."""
+    return shards.place(sharded, self.mesh, DATA_AXES)
+
+  def device_batch(self, host_batch):
+    return self.place(self.shard(host_batch))
+
+  def abstract_state(self) -> step_lib.TrainState:
+    """The restore target: shapes, dtypes and this run's shardings (a checkpoint from any mesh fits)."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+
+  def eval_batches(self, split: str) -> list:
+    """The split's host batches, sharded (cached by the source's list; the shards are cheap to redo)."""
+    return [self.shard(b) for b in self.source.eval_batches(split)]
+
+
+def mesh_spec_of(cfg) -> mesh_lib.MeshSpec:
+  return mesh_lib.load(cfg.mesh) if cfg.mesh is not None else mesh_lib.ONE_DEVICE
+
+
+def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch=None,
+          capacity_slack: float = 1.05, capacity_multiple: int = 1) -> Run:
+  """The run of `cfg` (module docstring). devices: the devices of the mesh (default: all of this process's
+  view, jax.devices(); one device without a mesh file; an abstract run checks the mesh against them only
+  when given). source: a built source to reuse (the one-device
+  baseline of a mesh run). first_batch: the host batch the lookup capacities are sized on (default the
+  source's first training batch)."""
+  mesh_spec = mesh_spec_of(cfg)
+  if devices is None and not abstract:
+    devices = jax.devices() if cfg.mesh is not None else jax.devices()[:1]
+  check.check_config(cfg, None if cfg.mesh is None else mesh_spec,
+                     mesh_spec.num_devices if devices is None else len(devices))
+  source = source or sources.make(cfg)
+  task = tasks.make(cfg.task, source)
+  check.check_selection(cfg.train.select_metric, task.selectable())
+  seed = cfg.train.seed
+  # The model's shapes first (nothing allocated): the tensor-parallel check reads them before a real build.
+  make_model = lambda: task.build_model(cfg, source, nnx.Rngs(seed))
+  model = nnx.eval_shape(make_model)
+  check.check_tensor_parallel(nnx.state(model, nnx.Param), mesh_spec)
+  if not abstract:
+    # Initialized by one compiled program: eager init compiles every initializer op on its own (about 90
+    # small programs for GEM, most of a small run's start-up), and one program is also what the persistent
+    # compilation cache can keep.
+    model = nnx.merge(nnx.split(model)[0], jax.jit(lambda: nnx.state(make_model()))())
+  per_epoch = source.steps_per_epoch()
+  total = cfg.train.epochs * per_epoch if cfg.train.epochs and per_epoch else cfg.train.steps
+  optimizer = optim.make_optimizer(cfg.train, nnx.state(model, nnx.Param), total_steps=total)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  del model
+  # An abstract run on no more devices than this process has gets a real mesh (nothing is placed on it, and
+  # its steps can be traced with jax.eval_shape); a larger one (the simulator's clusters) an abstract mesh.
+  local = abstract and mesh_spec.num_devices <= len(jax.devices())
+  if abstract:
+    mesh = (mesh_lib.build_mesh(mesh_spec, jax.devices()[:mesh_spec.num_devices]) if local
+            else mesh_lib.build_abstract_mesh(mesh_spec))
+    state = jax.eval_shape(lambda p: step_lib.init_state(p, optimizer, task.train_key(seed)), params)
+  else:
+    mesh = mesh_lib.build_mesh(mesh_spec, devices)
+    state = step_lib.init_state(params, optimizer, task.train_key(seed))
+  p = placement.plan(state.params, mesh, mesh_spec)
+  if abstract:
+    shardings = placement.state_shardings(state, p)
+    state = jax.tree_util.tree_map(
+        lambda s, sub: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub),
+        shardings, state, is_leaf=lambda x: isinstance(x, NamedSharding))
+  else:
+    state = placement.place_state(state, p)
+  capacities = {}
+  if not abstract:  # an abstract run (the simulator) reads its lookups off samples of its own
+    first = first_batch if first_batch is not None else source.first_batch()
+    capacities = _capacities((graphdef, rest, state.params, task), source, p, first, capacity_slack,
+                             capacity_multiple)
+  run = Run(cfg, source, task, mesh_spec, mesh, p, optimizer, graphdef, rest, state, capacities)
+  if not abstract or local:
+    run.train_step = step_lib.make_train_step(graphdef, rest, optimizer, task, p, state, capacities)
+    run.eval_step = step_lib.make_eval_step(graphdef, rest, task, p, state.params, capacities)
+  return run
+
+
+def _capacities(run_parts, source, p, first, slack, multiple) -> dict[str, int]:
+  """All-to-all capacities of the model's lookups (read off its trace) on the first batch; none when no
+  table is row sharded."""
+  if not any(p.table_axes.values()):
+    return {}
+  graphdef, rest, params, task = run_parts
+  calls = lookups.lookup_ids(graphdef, rest, params, task, source.shard(first, p.num_data_shards))
+  return lookups.capacities(calls, p, lambda table: source.spec.table(table).vocab_size, slack, multiple)

@@ -1,0 +1,124 @@
+"""NextItem: next-item prediction with gem-jax's HSTU tower (gem_jax/model/seqrec.py), trained with a sampled
+or full softmax and evaluated by full ranking (HR@K, NDCG@K over every item, history excluded).
+
+Protocol (the one the anchor tables use; ../shared/data/README.md): leave-one-out per user, the model
+trained on next-item targets of everything before the validation item, full ranking of every item with the
+user's history excluded, HR@K and NDCG@K averaged over all users (gem_jax/metrics.py). With
+train.select_metric set, the evaluation with the best validation value picks the parameters the test split
+is read with (the trainer's selection hook).
+
+Losses (`loss`), over unit embeddings divided by a temperature:
+  sampled_softmax  one set of negatives shared by every token of the batch (the source draws them:
+                   gem_jax/data/seqrec_source.py), logits corrected by the log of their expected count in
+                   the set (logQ), the target logit too, and a negative equal to a token's own target masked
+  full_softmax     every item is a negative (exact cross-entropy; T x I x D per step)
+
+Letters: T token capacity, B rows, D model width, I items (+1: id 0 is padding), K negatives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gem_jax import metrics
+from gem_jax.model.seqrec import SeqRecModel
+from gem_jax.run.tasks import Task, register
+
+
+def sampled_softmax_loss_sums(user_TxD, table_IxD, targets_T, negatives_K, logq_neg_K, logq_pos_T, temperature):
+  """(sum over real tokens (target > 0) of -log softmax of the target among it and the shared negatives,
+  the number of real tokens)."""
+  valid_T = targets_T > 0
+  pos_T = jnp.sum(user_TxD * table_IxD[targets_T], axis=-1) / temperature - logq_pos_T
+  neg_TxK = jnp.einsum("td,kd->tk", user_TxD, table_IxD[negatives_K],
+                       preferred_element_type=jnp.float32) / temperature - logq_neg_K[None, :]
+  neg_TxK = jnp.where(negatives_K[None, :] == targets_T[:, None], -jnp.inf, neg_TxK)
+  lse_T = jax.nn.logsumexp(jnp.concatenate([pos_T[:, None], neg_TxK], axis=1), axis=1)
+  return jnp.sum(jnp.where(valid_T, lse_T - pos_T, 0.0)), jnp.sum(valid_T)
+
+
+def full_softmax_loss_sums(user_TxD, table_IxD, targets_T, negatives_K, logq_neg_K, logq_pos_T, temperature):
+  """(sum over real tokens of the cross-entropy over every item (row 0, padding, excluded), the number of
+  real tokens); the sampling arguments are ignored."""
+  del negatives_K, logq_neg_K, logq_pos_T
+  valid_T = targets_T > 0
+  logits_TxI = jnp.einsum("td,id->ti", user_TxD, table_IxD, preferred_element_type=jnp.float32) / temperature
+  logits_TxI = logits_TxI.at[:, 0].set(-jnp.inf)
+  pos_T = jnp.take_along_axis(logits_TxI, targets_T[:, None], axis=1)[:, 0]
+  lse_T = jax.nn.logsumexp(logits_TxI, axis=1)
+  return jnp.sum(jnp.where(valid_T, lse_T - pos_T, 0.0)), jnp.sum(valid_T)
+
+
+LOSSES = {"sampled_softmax": sampled_softmax_loss_sums, "full_softmax": full_softmax_loss_sums}
+
+
+def mean_loss(loss_of, *args):
+  """The mean per-token loss of one batch (the per-shard sums divided, as the step does for the mesh)."""
+  total, count = loss_of(*args)
+  return total / jnp.maximum(count, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class NextItemConfig:
+  loss: str = "sampled_softmax"     # or "full_softmax"
+  temperature: float = 0.05
+  ks: tuple[int, ...] = (10, 50, 200)
+
+  def __post_init__(self):
+    if self.loss not in LOSSES:
+      raise ValueError(f"task.loss: unknown loss {self.loss!r}; known: {sorted(LOSSES)}")
+    if not self.temperature > 0:
+      raise ValueError(f"task.temperature must be > 0, got {self.temperature}")
+    if not self.ks or min(self.ks) < 1:
+      raise ValueError(f"task.ks must be positive cutoffs, got {self.ks}")
+
+  def metric_names(self) -> set[str]:
+    return {f"{m}@{k}" for m in ("HR", "NDCG") for k in self.ks}
+
+
+@register(NextItemConfig)
+class NextItem(Task):
+  name = "next_item"
+
+  def train_key(self, seed: int):
+    # The recipe's dropout stream since its first public-benchmark runs: fold_in(key(seed + 1), step).
+    return jax.random.key(seed + 1)
+
+  def build_model(self, cfg, source, rngs):
+    if cfg.model.max_len != source.config.max_len:
+      raise ValueError(f"model.max_len={cfg.model.max_len} differs from data.max_len={source.config.max_len}: the "
+                       "rows the source cuts must fit the model's positions")
+    return SeqRecModel(cfg.model, source.num_items, rngs=rngs)
+
+  def sums(self, model, batch, dropout_rng):
+    user_TxD = model.encode(batch.items, dropout_rng=dropout_rng)
+    total, count = LOSSES[self.config.loss](user_TxD, model.item_table(), batch.targets_T, batch.negatives_K,
+                                            batch.logq_neg_K, batch.logq_pos_T, self.config.temperature)
+    return {"loss_sum": total, "tokens": count.astype(jnp.float32)}
+
+  def loss(self, totals):
+    return totals["loss_sum"] / jnp.maximum(totals["tokens"], 1.0), {"tokens": totals["tokens"]}
+
+  def predict(self, model, batch):
+    """The rank of each row's target among every item (1 = first; ties count against the target), from
+    the user embedding after the row's last token; an empty (padding) row reads slot 0."""
+    user_TxD = model.encode(batch.items)
+    last_B = jnp.maximum(batch.items.offsets[1:] - 1, 0)
+    scores_BxI = jnp.einsum("bd,id->bi", user_TxD[last_B], model.item_table(), preferred_element_type=jnp.float32)
+    return metrics.full_ranking_ranks(scores_BxI, batch.targets_B, batch.exclude_BxI)
+
+  def evaluate(self, predictions, batches) -> dict:
+    ranks = [np.asarray(r).reshape(-1)[np.asarray(b.row_mask_B).reshape(-1) > 0] for r, b in zip(predictions, batches)]
+    return metrics.hit_rate_ndcg(np.concatenate(ranks), self.config.ks)
+
+  def selectable(self) -> dict[str, int]:
+    return {name: 1 for name in self.config.metric_names()}
+
+  def summarize(self, evaluation: dict, counters: dict) -> dict:
+    """Per split: the metrics and the most-popular baseline through the same metric code."""
+    baselines = {split: self.source.popularity_baseline(split, self.config.ks) for split in evaluation}
+    return {**evaluation, "baseline_most_popular": baselines, "stats": self.source.describe()}

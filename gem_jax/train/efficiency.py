@@ -1,0 +1,113 @@
+"""The efficiency meter as a trainer hook: report.json, plots/, profile/ and the console table of a run.
+
+What is measured and how is gem_jax/observe/meter.py (per-step records without blocking the loop) and
+gem_jax/observe/report.py (the report's keys); this hook feeds them from the trainer: the host batch before
+each dispatch, each step's drained metrics, the steps an evaluation or a checkpoint shares its time with,
+and, after the final evaluation, the compiled program most steps ran. A mesh run also times the same
+per-device batch on one device (local MFU, scaling efficiency). Only process 0 reports, and only a run that
+reaches its last step (a run stopped early writes no report).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+
+from gem_jax.observe import flops, meter as meter_lib, report as report_lib
+from gem_jax.train.hooks import Hook
+
+
+class Meter(Hook):
+  key = "meter"
+
+  def __init__(self, imbalance_every: int):
+    self.imbalance_every = imbalance_every
+    self.meter = None
+    self.flop_model = None
+    self.history = {"loss": [], "mfu": [], "step_time_s": []}
+    self.report: dict | None = None
+    self.examples = self.tokens = 0
+    self.model_flops = 0.0
+
+  def begin(self, t) -> None:
+    if not (t.writes_files and t.end_step == t.total_steps):
+      return
+    self.flop_model = flops.FlopModel(t.run)
+    self.meter = meter_lib.RunMeter(t.run, out_dir=t.out_dir, start_step=t.step, end_step=t.end_step,
+                                    flop_model=self.flop_model, imbalance_every=self.imbalance_every)
+    self.meter.notes += self.flop_model.notes
+    # Before the first step donates the state.
+    self.optimizer_flops = meter_lib.optimizer_flops_sharded(t.run.optimizer, t.state.params, t.state.opt_state,
+                                                             t.run.num_devices)
+    self.meter.state_bytes(t.state)
+
+  def before_batch(self, t) -> None:
+    if self.meter is not None:
+      self.meter.profile_hook(t.step)
+      self.meter.batch_started()
+
+  def before_dispatch(self, t, host_batch) -> None:
+    if self.meter is not None:
+      self.meter.batch(t.step, host_batch)
+      lengths = t.run.source.lengths(host_batch)
+      self.examples += lengths.size
+      self.tokens += int(lengths.sum())
+      self.model_flops += self.meter.steps[t.step].model_flops / flops.TRAIN_FLOPS_FACTOR
+
+  def drained(self, t, step: int, host: dict) -> None:
+    if self.meter is None:
+      return
+    host.update(self.meter.drained(step - 1))
+    for key in self.history:
+      self.history[key].append(host.get(key))
+
+  def busy(self, t, step: int) -> None:
+    if self.meter is not None:
+      self.meter.mark_busy(step)
+
+  def final_eval(self, t, evaluation: dict, task_summary: dict) -> None:
+    if self.meter is None:
+      return
+    compiled, _ = max(t.programs.values(), key=lambda p: p[1])
+    if len(t.programs) > 1:
+      self.meter.notes.append(f"compile_s: {len(t.programs)} programs (one per batch shape); FLOPs, comm and "
+                              "memory are those of the one most steps ran")
+    run, one_device = t.run, None
+    if run.num_devices > 1:
+      rows = run.source.batch_size
+      per_device = rows // run.num_devices
+      if per_device >= 1:
+        one_device = meter_lib.one_device_baseline(run, per_device, self.meter.host_peak)
+      else:
+        self.meter.notes.append(f"local_mfu / scaling_efficiency: batch {rows} is smaller than the "
+                                f"{run.num_devices} devices")
+    rep = self.meter.finish(compiled=compiled, mesh=run.mesh, optimizer_flops_per_step=self.optimizer_flops,
+                            compile_s=t.compile_s,
+                            time_to_first_step_s=t.t_first - t.t_start if t.t_first else None,
+                            one_device=one_device, history=self.history)
+    if one_device is not None:
+      rep["one_device_baseline"] = one_device
+      if jax.default_backend() == "cpu":
+        rep["notes"].append(f"scaling_efficiency: the {run.num_devices} virtual CPU devices share this host's "
+                            f"{os.cpu_count()} cores, so its ceiling here is about {os.cpu_count()}/"
+                            f"{run.num_devices}, not 1")
+    plots = report_lib.plot(rep, self.history, os.path.join(t.out_dir, "plots"))
+    rep["plots"] = [os.path.relpath(p, t.out_dir) for p in plots]
+    with open(os.path.join(t.out_dir, "report.json"), "w") as f:
+      json.dump(rep, f, indent=2, default=float)
+    print(f"\nefficiency report ({os.path.join(t.out_dir, 'report.json')}):\n" + report_lib.console_table(rep),
+          flush=True)
+    self.report = rep
+
+  def summary(self, t) -> dict:
+    out = {}
+    if self.examples:
+      out["model_flops_per_example"] = self.model_flops / self.examples
+      out["mean_sequence_length"] = self.tokens / self.examples
+    if self.report is not None:
+      out["efficiency"] = {k: self.report[k] for k in ("mfu", "hfu", "padding_waste", "step_time_s", "local_mfu",
+                                                       "scaling_efficiency")}
+    return out
+

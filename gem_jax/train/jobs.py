@@ -1,0 +1,97 @@
+"""Whole jobs over the spine: a config trained with the standard hooks, a checkpoint evaluated on any mesh.
+
+  train_config(cfg, out_dir)        build(cfg) + the standard hooks + train: what experiments/train.py and
+                                    experiments/seqrec.py run
+  evaluate_checkpoint(cfg, out_dir) the newest usable checkpoint of a run, restored (resharded) onto cfg's
+                                    mesh and evaluated
+  standard_hooks(run, ...)          the hooks of a training job, by the config's cadences
+
+The run folder: metrics.jsonl, checkpoints/ (best/ with model selection), summary.json, and with the report
+report.json, plots/ and profile/ (gem_jax/train/hooks.py, gem_jax/train/efficiency.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Callable
+
+from gem_jax.run.build import build
+from gem_jax.train import hooks as hooks_lib
+from gem_jax.train import trainer
+from gem_jax.train.checkpoint import Checkpointer, fingerprint
+from gem_jax.train.efficiency import Meter
+
+
+def standard_hooks(run, *, progress: bool = True, report: bool = True) -> list:
+  """Checkpoint, the efficiency meter, metrics.jsonl, the non-finite guard and evaluation, in the order
+  they must see each step (the meter adds step time and MFU to the metrics the log then writes)."""
+  tc = run.cfg.train
+  per_epoch = run.source.steps_per_epoch()
+  every = tc.eval_every_epochs * per_epoch if tc.eval_every_epochs and per_epoch else tc.eval_every
+  out = [hooks_lib.Checkpoint(tc.checkpoint_every, tc.keep_checkpoints)]
+  if report:
+    out.append(Meter(imbalance_every=tc.log_every))
+  out += [hooks_lib.MetricsLog(tc.log_every, progress=progress),
+          hooks_lib.Guard(tc.nonfinite_patience, tc.on_nonfinite, tc.max_nonfinite_restores),
+          hooks_lib.Evaluate(every, select=tc.select_metric, patience=tc.patience, max_minutes=tc.max_train_minutes,
+                             steps_per_epoch=per_epoch)]
+  return out
+
+
+def train_config(cfg, out_dir: str, *, resume: bool = False, progress: bool = True, report: bool = True,
+                 stop_after: int | None = None, on_event: Callable[[str, int], None] | None = None) -> dict:
+  """Trains `cfg` into out_dir and returns the summary (trainer.train's)."""
+  run = build(cfg)
+  return trainer.train(run, out_dir, standard_hooks(run, progress=progress, report=report), resume=resume,
+                       stop_after=stop_after, on_event=on_event)
+
+
+def evaluate_checkpoint(cfg, out_dir: str, step: int | None = None) -> dict:
+  """Evaluates checkpoint `step` (default: the newest usable) of the run in out_dir on cfg's mesh, which
+  need not be the mesh that wrote it: the checkpoint is resharded on restore.
+
+  -> {"step", "mesh", "devices", "evaluation": {split: metrics}, "state_fingerprint"}; the fingerprint
+  (hex of the train state's integrity hashes) is the same on every mesh when the restore is bit-exact.
+  """
+  run = build(cfg)
+  with Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.train.keep_checkpoints,
+                    save_every=cfg.train.checkpoint_every) as ckpt:
+    step, state, _ = ckpt.restore(step, abstract_state=run.abstract_state())
+    fallbacks = [fb.as_dict() for fb in ckpt.fallbacks]
+  evaluation = {split: trainer.evaluate(run, state.params, split) for split in run.source.eval_splits}
+  return {"step": step, "mesh": run.mesh_spec.name, "devices": run.mesh_spec.num_devices,
+          "evaluation": trainer.jsonable_summary(evaluation),
+          "state_fingerprint": hashlib.sha256(fingerprint(state).tobytes()).hexdigest()[:16],
+          "checkpoint_fallbacks": fallbacks}
+
+
+def train_next_item(cfg, out_dir: str, *, resume: bool = False, report: bool = True, log=print) -> dict:
+  """train_config for a next-item config, and out_dir/results.json in the public benchmarks' format:
+  dataset sizes, the config, the kept evaluation's validation and test metrics next to the most-popular
+  baseline, every evaluation, and the wall times."""
+  import dataclasses
+  import json
+
+  import jax
+
+  summary = train_config(cfg, out_dir, resume=resume, progress=False, report=report)
+  selected = summary.get("selected", {})
+  results = {
+      "dataset": summary["stats"]["dataset"],
+      "stats": {k: summary["stats"][k] for k in ("users", "items", "interactions")},
+      "config": dataclasses.asdict(cfg),
+      "parameters": summary["params"]["sparse"] + summary["params"]["dense"],
+      "best_step": selected.get("step"), "stop_reason": summary["stop_reason"], "steps": summary["steps"],
+      "valid": summary["valid"], "test": summary["test"],
+      "baseline_most_popular": summary["baseline_most_popular"],
+      "history": summary["evaluations"],
+      "wall_s": {"total": summary["wall_s"], "compile": summary["compile_s"]},
+      "platform": {"backend": jax.default_backend(), "devices": jax.device_count(), "cpus": os.cpu_count(),
+                   "jax": jax.__version__}}
+  if jax.process_index() == 0:
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+      json.dump(trainer.jsonable_summary(results), f, indent=1, default=str)
+  log(f"{results['dataset']}: kept step {results['best_step']} ({results['stop_reason']}); test "
+      + " ".join(f"{k} {v:.4f}" for k, v in results["test"].items()) + f"; wall {summary['wall_s']:.0f}s")
+  return results

@@ -1,0 +1,25 @@
+"""gem_jax/bench/ab_trees.py: alternating order, medians and ratios (the jobs themselves are stubbed: each
+real one is a full training run; experiments/ab_default_job.py runs them)."""
+
+from gem_jax.bench import ab_trees
+
+
+def test_rounds_alternate_and_medians_and_ratios_come_from_every_run(monkeypatch, tmp_path):
+  calls = []
+  speed = {"/a": [100.0, 130.0, 90.0], "/b": [200.0, 180.0, 260.0]}
+
+  def fake(tree, args, out_dir, timeout=1800):
+    calls.append(tree)
+    i = sum(1 for t in calls if t == tree) - 1
+    return {"examples_per_s": speed[tree][i], "wall_s": 1.0, "click/eval_ne": 0.9 - 0.01 * i,
+            "click/gap_closed": None if tree == "/b" and i == 0 else 0.6 + 0.01 * i}
+
+  monkeypatch.setattr(ab_trees, "run_job", fake)
+  result = ab_trees.compare({"new": "/a", "old": "/b"}, ["--config", "tiny"], repeats=3, out_dir=str(tmp_path),
+                            log=lambda *_: None)
+  assert calls == ["/a", "/b", "/b", "/a", "/a", "/b"]
+  assert result["medians"]["new"]["examples_per_s"] == 100.0 and result["medians"]["old"]["examples_per_s"] == 200.0
+  assert result["examples_per_s_ratio"] == {"new": 0.5, "old": 1.0}
+  assert result["medians"]["new"]["click/eval_ne"] == 0.89
+  assert result["medians"]["old"]["click/gap_closed"] == 0.615  # the run without a value is left out
+  assert "0.500x" in ab_trees.table(result)
