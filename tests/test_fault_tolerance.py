@@ -206,9 +206,10 @@ def _eval_on(mesh: str, run_dir) -> dict:
 def test_a_checkpoint_written_on_cpu_8_evaluates_the_same_on_cpu_1_and_cpu_16_5d(tmp_path):
   cfg = apply_overrides(_tiny(**RESHARD_SETS), ["mesh=meshes/cpu_8.yaml"])
   jobs.train_config(cfg, str(tmp_path), progress=False, report=False)
-  results = {"cpu_8": jobs.evaluate_checkpoint(cfg, str(tmp_path))}
-  for mesh in ("cpu_1", "cpu_16_5d"):
-    results[mesh] = _eval_on(mesh, tmp_path)
+  results = {"cpu_8": jobs.evaluate_checkpoint(cfg, str(tmp_path)),
+             "cpu_1": jobs.evaluate_checkpoint(apply_overrides(cfg, ["mesh=meshes/cpu_1.yaml"]), str(tmp_path),
+                                               devices=jax.devices()[:1]),
+             "cpu_16_5d": _eval_on("cpu_16_5d", tmp_path)}  # 16 devices: its own process
   ref = results["cpu_8"]
   assert ref["step"] == 4 and ref["devices"] == 8 and ref["evaluation"]["eval"]["click"]["count"] == 2048
   for mesh, got in results.items():

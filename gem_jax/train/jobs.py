@@ -47,14 +47,15 @@ def train_config(cfg, out_dir: str, *, resume: bool = False, progress: bool = Tr
                        stop_after=stop_after, on_event=on_event)
 
 
-def evaluate_checkpoint(cfg, out_dir: str, step: int | None = None) -> dict:
+def evaluate_checkpoint(cfg, out_dir: str, step: int | None = None, devices=None) -> dict:
   """Evaluates checkpoint `step` (default: the newest usable) of the run in out_dir on cfg's mesh, which
-  need not be the mesh that wrote it: the checkpoint is resharded on restore.
+  need not be the mesh that wrote it: the checkpoint is resharded on restore. devices: the mesh's devices
+  (default: build's).
 
   -> {"step", "mesh", "devices", "evaluation": {split: metrics}, "state_fingerprint"}; the fingerprint
   (hex of the train state's integrity hashes) is the same on every mesh when the restore is bit-exact.
   """
-  run = build(cfg)
+  run = build(cfg, devices=devices)
   with Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.train.keep_checkpoints,
                     save_every=cfg.train.checkpoint_every) as ckpt:
     step, state, _ = ckpt.restore(step, abstract_state=run.abstract_state())
