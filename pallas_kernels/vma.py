@@ -44,17 +44,17 @@ def sum_to(x, ref):
 
 def shape_dtype(shape, dtype, *refs) -> jax.ShapeDtypeStruct:
   """A pallas_call out_shape varying over every mesh axis any of `refs` varies over: inside
-  `shard_map(check_vma=True)` an output type must say it. A plain ShapeDtypeStruct outside shard_map.
-  jax 0.10 and 0.11 take `manual_axis_type=` (an object built like the refs' own), older releases `vma=`."""
-  axes = frozenset().union(*(varying_axes(r) for r in jax.tree_util.tree_leaves(refs)))
-  if not axes:
-    return jax.ShapeDtypeStruct(shape, dtype)
-  aval = jax.typeof(next(r for r in jax.tree_util.tree_leaves(refs) if varying_axes(r)))
-  mat = getattr(aval, "manual_axis_type", None)
+  `shard_map(check_vma=True)` an output type must say it, even when it varies over nothing (a mesh whose
+  axes all have size 1). jax 0.10 and 0.11 take `manual_axis_type=` (an object built like the refs' own,
+  which every aval carries, inside shard_map or not), older releases `vma=`."""
+  leaves = jax.tree_util.tree_leaves(refs)
+  axes = frozenset().union(*(varying_axes(r) for r in leaves))
+  mat = getattr(jax.typeof(leaves[0]), "manual_axis_type", None) if leaves else None
   if mat is not None:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=type(mat)(varying=axes))
+  if not axes:
+    return jax.ShapeDtypeStruct(shape, dtype)
   return jax.ShapeDtypeStruct(shape, dtype, vma=axes)
-
 
 
 def interpretable(call, *operands, interpret: bool):

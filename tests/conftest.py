@@ -2,7 +2,12 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Backend optimization level 0: XLA:CPU's code generation without LLVM's optimization passes, which are
+# most of a CPU compile; the suite compiles hundreds of programs and runs each for a few steps, so it takes
+# about a fifth less time. Every subprocess a test starts keeps these flags (run_helpers.child_env, and the
+# library's launchers through parallel/distributed.cpu_device_flags), so runs a test compares are compiled
+# alike.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -7,6 +7,15 @@ import os
 from gem_jax import configs
 from gem_jax.config import apply_overrides
 from gem_jax.observe import report
+from gem_jax.parallel import distributed
+
+
+def child_env(cpu_devices: int | None = None, **extra) -> dict:
+  """The environment of a subprocess a test starts: on CPU, with `cpu_devices` virtual devices (None: as
+  many as its own flags or mesh ask for) and every other XLA flag of the session (conftest.py), so the
+  child compiles its programs the way this process does."""
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              XLA_FLAGS=distributed.cpu_device_flags(os.environ.get("XLA_FLAGS"), cpu_devices), **extra)
 
 
 def tiny(*sets: str, **named):

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gem_jax.train.checkpoint import CheckpointCorruptError, Checkpointer, fingerprint
+from tests.run_helpers import child_env
 
 
 def _state(seed: int):
@@ -261,8 +262,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-c", _KILL_MID_SAVE, str(tmp_path)], env=env, capture_output=True,
+  proc = subprocess.run([sys.executable, "-c", _KILL_MID_SAVE, str(tmp_path)], env=child_env(1), capture_output=True,
                         text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
   assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr[-2000:])
   leftovers = [n for n in os.listdir(tmp_path) if n.startswith("2.")]

@@ -19,7 +19,7 @@ from gem_jax.run.build import build
 from gem_jax.run.step import TrainState, guarded_update
 from gem_jax.train import fault_drill, jobs
 from gem_jax.train.hooks import NonFiniteError
-from tests.run_helpers import tiny
+from tests.run_helpers import child_env, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -195,8 +195,7 @@ def _eval_on(mesh: str, run_dir) -> dict:
          "--out", str(run_dir), "--eval-only"]
   for k, v in {**RESHARD_SETS, "train.warmup_steps": 1, "train.eval_every": 100}.items():
     cmd += ["--set", f"{k}={v}"]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run(cmd, cwd=ROOT, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+  proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                         timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout[proc.stdout.index("{"):])

@@ -10,6 +10,7 @@ import pytest
 
 from gem_jax.bench import gpu_check, gpu_report
 from tests import gpu_check_helpers
+from tests.run_helpers import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -108,9 +109,7 @@ def test_the_first_jax_triton_wheel_that_works_is_chosen(tmp_path):
   gpu_check_helpers.fake_wheel(str(wheels), "jax_triton", "9.9.1", "raise ImportError('this build is broken')\n")
   gpu_check_helpers.fake_wheel(str(wheels), "jax_triton", "9.9.0", "triton_call = None\n")
   gpu_check_helpers.fake_wheel(str(wheels), "gem_jax_fake_dep", "1.0", "VALUE = 3\n")
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  info = gpu_check.install_wheels(str(wheels), str(tmp_path / "work"), env)
+  info = gpu_check.install_wheels(str(wheels), str(tmp_path / "work"), child_env())
   assert [p["wheel"] for p in info["probes"]] == ["jax_triton-9.9.1-py3-none-any.whl",
                                                   "jax_triton-9.9.0-py3-none-any.whl"]
   assert not info["probes"][0]["ok"] and "this build is broken" in info["probes"][0]["output"]

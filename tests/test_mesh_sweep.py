@@ -15,14 +15,15 @@ import sys
 
 import pytest
 
+from tests.run_helpers import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
 def test_mesh_sweep_acceptance(tmp_path):
   out = tmp_path / "sweep.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the sweep sets its own device count
-  env["JAX_PLATFORMS"] = "cpu"
+  env = child_env()  # the sweep sets its own device count
   cmd = [sys.executable, "experiments/mesh_sweep.py", "--meshes", "meshes/cpu_1.yaml", "meshes/cpu_8.yaml",
          "meshes/cpu_16_5d.yaml", "--steps", "20", "--out", str(out)]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

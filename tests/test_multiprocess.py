@@ -23,7 +23,7 @@ from gem_jax.config import apply_overrides
 from gem_jax.parallel import distributed
 from gem_jax.parallel.distributed import ProcessSetup
 from gem_jax.train import jobs
-from tests.run_helpers import check_run_report
+from tests.run_helpers import check_run_report, child_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -39,9 +39,8 @@ def _free_port() -> int:
 
 
 def _launch(out: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = {k: v for k, v in child_env().items()
+         if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
   cmd = [sys.executable, "experiments/train.py", "--config", "tiny", "--mesh", "meshes/cpu_8.yaml",
          "--out", str(out), "--no-progress", *flags]

@@ -20,12 +20,15 @@ import subprocess
 import sys
 import time
 
+from gem_jax.parallel import distributed
+
 
 def run_job(tree: str, args: list[str], out_dir: str, timeout: float = 1800) -> dict:
   """experiments/train.py ARGS --out out_dir in `tree`; the numbers of its summary.json."""
   tree = os.path.abspath(tree)
-  env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  # The tree's job picks its own device count; any other XLA flag of this process is kept.
+  env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=distributed.cpu_device_flags(os.environ.get("XLA_FLAGS")))
   t0 = time.perf_counter()
   proc = subprocess.run([sys.executable, "experiments/train.py", *args, "--out", out_dir, "--no-progress"],
                         cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)

@@ -33,6 +33,7 @@ import sys
 import time
 
 from gem_jax.bench import gpu_report
+from gem_jax.parallel import distributed
 
 # What the GPU image lacks (the device tool's package list, 2026-11-17): grain (+ array-record,
 # portpicker) and jax-triton. jax-triton 0.4.x wants triton >= 3.7 and 0.3.1 a GPU jaxlib at import; the
@@ -137,7 +138,7 @@ def section_env(rehearse: bool, pythonpath: list[str], work: str) -> dict:
   env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(work, "jax_cache"))
   if rehearse:
     env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)  # one CPU device, as the rehearsal's cpu_1 mesh needs
+    env["XLA_FLAGS"] = distributed.cpu_device_flags(env.get("XLA_FLAGS"))  # one CPU device, for cpu_1
     env["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels decorate as interpreted
   return env
 

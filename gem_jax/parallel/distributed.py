@@ -65,6 +65,17 @@ def check(s: ProcessSetup) -> None:
     raise ValueError(f"cpu_devices must be >= 1, got {s.cpu_devices}")
 
 
+_DEVICE_COUNT_FLAG = re.compile(r"\s*--xla_force_host_platform_device_count=\S*")
+
+
+def cpu_device_flags(xla_flags: str | None, cpu_devices: int | None = None) -> str:
+  """XLA_FLAGS for a child process: `xla_flags` with its CPU device count replaced by `cpu_devices` (or
+  removed, None), every other flag kept (a test session's, or a user's own)."""
+  rest = _DEVICE_COUNT_FLAG.sub("", xla_flags or "").strip()
+  count = f"--xla_force_host_platform_device_count={cpu_devices}" if cpu_devices is not None else ""
+  return " ".join(f for f in (count, rest) if f)
+
+
 def setup(s: ProcessSetup) -> None:
   """Applies `s`: CPU device count, then jax.distributed.initialize when the run is multi-process."""
   check(s)

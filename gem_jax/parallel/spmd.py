@@ -24,8 +24,12 @@ of the batch and:
 while the model is traced; `merge` rebuilds the model from this device's parameter blocks.
 
 This module must never gather a table, and never let two meshes compute different functions: the loss
-of a mesh run equals the one-device loss up to the order of additions. One device is the 1x1x1x1x1 mesh:
-every collective here is then over axes of size 1.
+of a mesh run equals the one-device loss up to the order of additions.
+
+Axes of size 1 take no part: specs, vma types and collectives name only the mesh's active axes (size > 1),
+so one device (the 1x1x1x1x1 mesh) runs no collective at all. A collective over one device computes
+nothing, but XLA:CPU still runs it as an all-reduce: marking the parameters varying over the five axes of
+size 1 made the backward all-reduce every gradient, tables included (22 MB per step for `small`).
 """
 
 from __future__ import annotations
@@ -64,6 +68,27 @@ def _gather_param(x, spec: P, vary_axes: tuple[str, ...], gather: bool = True):
   return x
 
 
+def active_axes(mesh, axes=MESH_AXES) -> tuple[str, ...]:
+  """The axes of `axes` with more than one device, in order."""
+  return tuple(a for a in axes if mesh.shape[a] > 1)
+
+
+def active_spec(spec: P, mesh) -> P:
+  """`spec` without its axes of size 1 (the same layout: a size-1 axis splits nothing)."""
+  def entry(e):
+    if e is None:
+      return None
+    kept = active_axes(mesh, (e,) if isinstance(e, str) else tuple(e))
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+  return P(*(entry(e) for e in spec))
+
+
+def data_spec(mesh) -> P:
+  """The spec of a sharded batch's leading (data-shard) dim inside the step."""
+  axes = active_axes(mesh, DATA_AXES)
+  return P(axes if axes else None)
+
+
 def local(batch):
   """This device's data shard: the batch's leading (data-shard) dim of 1 squeezed."""
   return jax.tree_util.tree_map(lambda x: x[0], batch)
@@ -71,10 +96,10 @@ def local(batch):
 
 def _lookup_fn(p: Plan, capacities: dict[str, int], stats: dict):
   """The distributed lookup installed into the model while the step is traced."""
-  active = tuple(a for a in MESH_AXES if p.mesh.shape[a] > 1)
+  active = active_axes(p.mesh)
 
   def fn(table: str, rows_VlxE, ids):
-    axes = p.table_axes.get(table, ())
+    axes = active_axes(p.mesh, p.table_axes.get(table, ()))
     if not axes:
       return jnp.take(rows_VlxE, jnp.where(ids < 0, rows_VlxE.shape[0], ids), axis=0, mode="fill",
                       fill_value=jnp.nan)
@@ -110,14 +135,14 @@ def _context(mesh) -> runtime.ContextParallel:
   return runtime.ContextParallel(mesh.shape[CP_AXIS], lambda: jax.lax.axis_index(CP_AXIS), gather)
 
 
-def merge(graphdef, rest, params, specs):
+def merge(graphdef, rest, params, specs, mesh):
   """The model on this device: every dense parameter gathered from its blocks (HSDP), every table left as
-  this device's row block, all typed varying over the whole mesh (custom_vjp kernels need their inputs on
-  one type). `specs` are the global parameter specs (inside shard_map the arrays are local blocks, so
-  specs cannot be recomputed from their shapes)."""
-  # Every axis, size 1 included: then all parameters enter the model with one vma type (varying over the
-  # whole mesh), which custom_vjp kernels need (their cotangents must match their inputs' types).
-  active = MESH_AXES
+  this device's row block, all typed varying over every active axis (custom_vjp kernels need their inputs
+  on one type). `specs` are the global parameter specs without their size-1 axes (active_spec; inside
+  shard_map the arrays are local blocks, so specs cannot be recomputed from their shapes)."""
+  # Every active axis: then all parameters enter the model with one vma type, the batch's (data_spec) and
+  # the activations' alike, which custom_vjp kernels need (their cotangents must match their inputs' types).
+  active = active_axes(mesh)
 
   def prepare(var, spec):
     if isinstance(var, embeddings_lib.Table):
@@ -147,7 +172,8 @@ def device_key(dropout_rng, p: Plan):
 def installed(p: Plan, capacities: dict[str, int], stats: dict):
   """The runtime of a trace inside shard_map: the distributed lookup, the tensor-parallel sum and the
   context slices."""
-  with runtime.using(lookup=_lookup_fn(p, capacities, stats), tensor_sum=_tensor_sum, context=_context(p.mesh)):
+  tensor_sum = _tensor_sum if p.mesh.shape[TP_AXIS] > 1 else (lambda x: x)
+  with runtime.using(lookup=_lookup_fn(p, capacities, stats), tensor_sum=tensor_sum, context=_context(p.mesh)):
     yield
 
 

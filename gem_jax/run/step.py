@@ -65,6 +65,12 @@ def guarded_update(optimizer: optax.GradientTransformation, state: TrainState, l
   return TrainState(params, opt_state, state.step + 1, state.rng), metrics
 
 
+def _step_specs(p: Plan, tree):
+  """The shard_map specs of `tree`: its placement's specs without size-1 axes (spmd module docstring)."""
+  return jax.tree_util.tree_map(lambda s: spmd.active_spec(s, p.mesh), p.tree_specs(tree),
+                                is_leaf=lambda x: isinstance(x, P))
+
+
 def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, task, p: Plan,
                     state: TrainState, capacities: dict[str, int] | None = None) -> Callable:
   """train_step(state, sharded batch) -> (state, metrics); `state` (placed by placement.place_state) is
@@ -75,13 +81,13 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, tas
   `emb/<call>/overflow`.
   """
   capacities = dict(capacities or {})
-  param_specs = p.tree_specs(state.params)
-  batch_spec = P(DATA_AXES)
+  param_specs = _step_specs(p, state.params)
+  batch_spec = spmd.data_spec(p.mesh)
 
   def body(params, batch, dropout_rng):
     stats: dict = {}
     with spmd.installed(p, capacities, stats):
-      model = spmd.merge(graphdef, rest, params, param_specs)
+      model = spmd.merge(graphdef, rest, params, param_specs, p.mesh)
       sums = task.sums(model, spmd.local(batch), spmd.device_key(dropout_rng, p))
     loss, metrics = task.loss({k: spmd.total(v, p.mesh) for k, v in sums.items()})
     return loss, {**metrics, **spmd.stat_metrics(stats, p)}
@@ -95,22 +101,23 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, tas
     return new_state, {**metrics, **aux}
 
   shardings = placement.state_shardings(state, p)
-  return jax.jit(train_step, in_shardings=(shardings, NamedSharding(p.mesh, batch_spec)),
+  return jax.jit(train_step, in_shardings=(shardings, NamedSharding(p.mesh, P(DATA_AXES))),
                  out_shardings=(shardings, NamedSharding(p.mesh, P())), donate_argnums=0)
 
 
 def make_eval_step(graphdef, rest, task, p: Plan, params, capacities: dict[str, int] | None = None) -> Callable:
   """eval_step(params, sharded batch) -> task.predict per example, (S, b, ...) in the batch's shard order."""
   capacities = dict(capacities or {})
-  param_specs = p.tree_specs(params)
+  param_specs = _step_specs(p, params)
 
   def body(params, batch):
     with spmd.installed(p, capacities, {}):
-      model = spmd.merge(graphdef, rest, params, param_specs)
+      model = spmd.merge(graphdef, rest, params, param_specs, p.mesh)
       return task.predict(model, spmd.local(batch))[None]
 
   # Every device returns its shard's predictions (context/tensor copies included); keep one copy each.
-  per_device = jax.shard_map(body, mesh=p.mesh, in_specs=(param_specs, P(DATA_AXES)), out_specs=P(MESH_AXES))
+  per_device = jax.shard_map(body, mesh=p.mesh, in_specs=(param_specs, spmd.data_spec(p.mesh)),
+                             out_specs=P(MESH_AXES))
   shape = tuple(p.mesh.shape[a] for a in MESH_AXES)
 
   def eval_step(params, batch):

@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from gem_jax.parallel import distributed
+
 MARK = "@@drill"
 KINDS = ("step", "save_begin", "save_started")   # the order the trainer passes them within one step
 
@@ -91,7 +93,7 @@ def _worker_cmd(args: Drill, run_dir: str) -> list[str]:
 def _env(cache_dir: str) -> dict:
   """One CPU device, and a persistent compilation cache shared by every trainer process of the drill (as
   restarts on a cluster share one): the reference run compiles, the restarts load the same executables."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=distributed.cpu_device_flags(os.environ.get("XLA_FLAGS"), 1),
              JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -163,7 +165,7 @@ def _losses(run_dir: str) -> dict[int, float]:
 
 def _compare(args, ref_dir: str, drill_dir: str) -> dict:
   """Bitwise comparison of the two runs: per-step losses, the final train state, the final evaluation."""
-  os.environ.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  os.environ.update(JAX_PLATFORMS="cpu", XLA_FLAGS=distributed.cpu_device_flags(os.environ.get("XLA_FLAGS"), 1))
   import jax
   import numpy as np
 
