@@ -47,3 +47,29 @@ def compile_cache(tmp_path_factory):
       os.environ.pop(name, None)
     jax.config.update("jax_compilation_cache_dir", None)
     compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="session")
+def tiny_cpu8_run(tmp_path_factory):
+  """(config, run folder, console log) of run_helpers.tiny_cpu8_config() trained once per session, with its
+  efficiency report. The first xdist worker that asks trains it under a file lock in the session's shared
+  folder; a worker that asks later (or meanwhile) waits for the lock and reads the same folder."""
+  import contextlib
+  import fcntl
+  import io
+
+  from gem_jax.train import jobs
+  from tests import run_helpers
+  base = tmp_path_factory.getbasetemp()
+  root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+  cfg = run_helpers.tiny_cpu8_config()
+  out, log_path, done = root / "tiny_cpu8_run", root / "tiny_cpu8_run.log", root / "tiny_cpu8_run.done"
+  with open(root / "tiny_cpu8_run.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not done.exists():
+      log = io.StringIO()
+      with contextlib.redirect_stdout(log):
+        jobs.train_config(cfg, str(out), progress=False)
+      log_path.write_text(log.getvalue())
+      done.touch()
+  return cfg, out, log_path

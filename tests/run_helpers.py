@@ -23,6 +23,17 @@ def tiny(*sets: str, **named):
   return apply_overrides(configs.get("tiny"), list(sets) + [f"{k}={v}" for k, v in named.items()])
 
 
+# The tiny run on meshes/cpu_8.yaml that several slow tests read (conftest.py's tiny_cpu8_run trains it once
+# per session, whichever worker asks first): the single-process reference of the multi-process run, a user's
+# cpu_8 efficiency report, and the checkpoint the resharding restore reads on other meshes.
+CPU8_SETS = {"train.steps": 8, "train.warmup_steps": 1, "train.log_every": 1, "train.eval_every": 4,
+             "train.checkpoint_every": 4, "train.eval_examples": 2048}
+
+
+def tiny_cpu8_config():
+  return tiny("mesh=meshes/cpu_8.yaml", **CPU8_SETS)
+
+
 RUN_NUMBERS = ("model_tflops_per_step", "executed_tflops_per_step", "optimizer_tflops_per_step", "padding_waste",
                "mfu", "hfu", "peak_flops_per_device", "step_time_s", "examples_per_s", "compile_s", "local_mfu",
                "scaling_efficiency", "time_to_first_step_s")

@@ -19,7 +19,7 @@ from gem_jax.run.build import build
 from gem_jax.run.step import TrainState, guarded_update
 from gem_jax.train import fault_drill, jobs
 from gem_jax.train.hooks import NonFiniteError
-from tests.run_helpers import child_env, tiny
+from tests.run_helpers import CPU8_SETS, child_env, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -186,14 +186,11 @@ def test_fault_drill_resumes_bit_for_bit(tmp_path):
 # ---- resharding restore ----------------------------------------------------------------------------------
 
 
-RESHARD_SETS = {"train.steps": 4, "train.checkpoint_every": 4, "train.eval_examples": 2048}
-
-
 def _eval_on(mesh: str, run_dir) -> dict:
   """experiments/train.py --eval-only in a process with exactly the mesh's CPU devices."""
   cmd = [sys.executable, "experiments/train.py", "--config", "tiny", "--mesh", f"meshes/{mesh}.yaml",
          "--out", str(run_dir), "--eval-only"]
-  for k, v in {**RESHARD_SETS, "train.warmup_steps": 1, "train.eval_every": 100}.items():
+  for k, v in CPU8_SETS.items():
     cmd += ["--set", f"{k}={v}"]
   proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                         timeout=600)
@@ -202,17 +199,17 @@ def _eval_on(mesh: str, run_dir) -> dict:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_written_on_cpu_8_evaluates_the_same_on_cpu_1_and_cpu_16_5d(tmp_path):
-  cfg = apply_overrides(_tiny(**RESHARD_SETS), ["mesh=meshes/cpu_8.yaml"])
-  jobs.train_config(cfg, str(tmp_path), progress=False, report=False)
-  results = {"cpu_8": jobs.evaluate_checkpoint(cfg, str(tmp_path)),
-             "cpu_1": jobs.evaluate_checkpoint(apply_overrides(cfg, ["mesh=meshes/cpu_1.yaml"]), str(tmp_path),
+def test_a_checkpoint_written_on_cpu_8_evaluates_the_same_on_cpu_1_and_cpu_16_5d(tiny_cpu8_run):
+  cfg, run_dir, _ = tiny_cpu8_run  # trained on cpu_8 (conftest.py), checkpoints at steps 4 and 8
+  last = cfg.train.steps
+  results = {"cpu_8": jobs.evaluate_checkpoint(cfg, str(run_dir)),
+             "cpu_1": jobs.evaluate_checkpoint(apply_overrides(cfg, ["mesh=meshes/cpu_1.yaml"]), str(run_dir),
                                                devices=jax.devices()[:1]),
-             "cpu_16_5d": _eval_on("cpu_16_5d", tmp_path)}  # 16 devices: its own process
+             "cpu_16_5d": _eval_on("cpu_16_5d", run_dir)}  # 16 devices: its own process
   ref = results["cpu_8"]
-  assert ref["step"] == 4 and ref["devices"] == 8 and ref["evaluation"]["eval"]["click"]["count"] == 2048
+  assert ref["step"] == last and ref["devices"] == 8 and ref["evaluation"]["eval"]["click"]["count"] == 2048
   for mesh, got in results.items():
-    assert got["mesh"] == mesh and got["step"] == 4 and not got["checkpoint_fallbacks"]
+    assert got["mesh"] == mesh and got["step"] == last and not got["checkpoint_fallbacks"]
     # Every leaf restored bit for bit on every layout (the integrity hashes do not depend on the mesh) ...
     assert got["state_fingerprint"] == ref["state_fingerprint"], mesh
     # ... so the metrics differ only by the order of the forward pass's additions on each mesh.

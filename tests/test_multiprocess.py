@@ -4,7 +4,8 @@ The one-process run also writes the efficiency report, which is checked like a u
 
 The two processes are experiments/train.py subprocesses on meshes/cpu_8.yaml (fsdp spans them), with their
 environment set explicitly: the 8-device XLA_FLAGS of conftest.py would give every process 8. The
-one-process reference runs in this test process (8 CPU devices, conftest.py) while they train.
+one-process reference is the session's tiny_cpu8_run (conftest.py), trained in a test process with 8 CPU
+devices; the resharding-restore test reads the same run's checkpoint.
 """
 
 import json
@@ -18,17 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gem_jax import configs
-from gem_jax.config import apply_overrides
 from gem_jax.parallel import distributed
 from gem_jax.parallel.distributed import ProcessSetup
-from gem_jax.train import jobs
-from tests.run_helpers import check_run_report, child_env
+from tests.run_helpers import CPU8_SETS, check_run_report, child_env
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 8
-SETS = {"train.steps": STEPS, "train.warmup_steps": 1, "train.log_every": 1, "train.eval_every": 4,
-        "train.checkpoint_every": 4, "train.eval_examples": 128}
+SETS = CPU8_SETS
+STEPS = SETS["train.steps"]
 TIMEOUT_S = 600  # all processes together; a hung collective fails the test instead of hanging CI
 
 
@@ -80,22 +77,14 @@ def _records(out: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_two_processes_train_what_one_process_trains(tmp_path, capsys):
-  one, two = tmp_path / "one", tmp_path / "two"
+def test_two_processes_train_what_one_process_trains(tmp_path, tiny_cpu8_run):
+  _, one, one_log = tiny_cpu8_run  # the reference, with the efficiency report as a user's run has it
+  two = tmp_path / "two"
   port = _free_port()
   multi = ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--local-devices", "4"]
-  procs = [_launch(two, tmp_path / f"two_p{i}.log", *multi, "--process-id", str(i), "--no-report")
-           for i in (0, 1)]
-  try:   # the reference, with the efficiency report as a user's run has it
-    cfg = apply_overrides(configs.get("tiny"), [f"{k}={v}" for k, v in SETS.items()] + ["mesh=meshes/cpu_8.yaml"])
-    jobs.train_config(cfg, str(one), progress=False)
-  except BaseException:
-    for p, _ in procs:
-      p.kill()
-    raise
-  (tmp_path / "one.log").write_text(capsys.readouterr().out)
-  _wait_all(procs)
-  check_run_report(one, num_devices=8, log=tmp_path / "one.log")
+  _wait_all([_launch(two, tmp_path / f"two_p{i}.log", *multi, "--process-id", str(i), "--no-report")
+             for i in (0, 1)])
+  check_run_report(one, num_devices=8, log=one_log)
   assert not (two / "report.json").exists()
 
   got, want = _records(two), _records(one)

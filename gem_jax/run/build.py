@@ -129,7 +129,8 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
     state = jax.eval_shape(lambda p: step_lib.init_state(p, optimizer, task.train_key(seed)), params)
   else:
     mesh = mesh_lib.build_mesh(mesh_spec, devices)
-    state = step_lib.init_state(params, optimizer, task.train_key(seed))
+    # One program for the optimizer state and the key too (eagerly, each leaf's zeros would compile alone).
+    state = jax.jit(lambda p: step_lib.init_state(p, optimizer, task.train_key(seed)))(params)
   p = placement.plan(state.params, mesh, mesh_spec)
   if abstract:
     shardings = placement.state_shardings(state, p)

@@ -52,6 +52,10 @@ class Hook:
   def load_state_dict(self, state: dict) -> None: ...
 
 
+# One program for the whole state (a copy per leaf would compile one small program per leaf shape).
+_copy = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.copy, tree))
+
+
 class Checkpoint(Hook):
   key = "checkpoint"
 
@@ -88,7 +92,7 @@ class Checkpoint(Hook):
     extra = {"data": t.data.get_state(), "counters": {k: np.asarray(v).tolist() for k, v in t.counters.items()},
              "hooks": {h.key: h.state_dict() for h in t.hooks}}
     # A copy: the next step donates the state, and an async save must not read donated buffers.
-    self.checkpointer.save(t.step, jax.tree_util.tree_map(jnp.copy, t.state), extra, force=True)
+    self.checkpointer.save(t.step, _copy(t.state), extra, force=True)
     t.event("save_started", t.step)
 
   def end_training(self, t) -> None:
@@ -194,7 +198,7 @@ class Evaluate(Hook):
     if self.best["score"] is None or score > self.best["score"]:
       self.best = {"score": score, "step": t.step}
       self.bad = 0
-      self.best_dir.save(t.step, jax.tree_util.tree_map(jnp.copy, t.state.params), force=True)
+      self.best_dir.save(t.step, _copy(t.state.params), force=True)
     else:
       self.bad += 1
     if self.patience and self.bad >= self.patience:
