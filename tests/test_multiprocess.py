@@ -140,3 +140,12 @@ def test_setup_warns_when_xla_flags_override_the_device_count(monkeypatch):
   # Single-process and the count already forced: setup changes no jax setting here.
   with pytest.warns(UserWarning, match=r"8 CPU devices; cpu_devices=4 \(--local-devices\) is ignored"):
     distributed.setup(ProcessSetup(cpu_devices=4))
+
+
+def test_child_flags_replace_only_the_device_count():
+  flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_dump_to=/tmp/d"
+  assert distributed.cpu_device_flags(flags, 1) == ("--xla_force_host_platform_device_count=1 "
+                                                    "--xla_backend_optimization_level=0 --xla_dump_to=/tmp/d")
+  assert distributed.cpu_device_flags(flags) == "--xla_backend_optimization_level=0 --xla_dump_to=/tmp/d"
+  assert distributed.cpu_device_flags(None, 4) == "--xla_force_host_platform_device_count=4"
+  assert distributed.cpu_device_flags("--xla_force_host_platform_device_count=16") == ""

@@ -284,3 +284,14 @@ def test_lookup_capacities_and_stats_see_an_added_lookup():
   # The step's per-call statistics name it too (traced, not compiled).
   _, metrics_out = jax.eval_shape(run.train_step, run.state, run.device_batch(run.source.first_batch()))
   assert {f"emb/ad_id/{2 * per_shard}/unique", f"emb/ad_id/{2 * per_shard}/overflow"} <= set(metrics_out)
+
+
+def test_the_one_device_step_runs_no_collective():
+  """One device is the 1x1x1x1x1 mesh, and a collective over one device computes nothing; XLA:CPU would still
+  run it (an all-reduce of every gradient when the parameters were typed varying over the size-1 axes)."""
+  run = build(tiny())
+  batch = run.device_batch(run.source.first_batch())
+  text = run.train_step.lower(run.state, batch).as_text()
+  found = sorted({op for op in ("all_reduce", "all_gather", "all_to_all", "reduce_scatter", "collective_permute")
+                  if f"stablehlo.{op}" in text})
+  assert found == [], found
