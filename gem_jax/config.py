@@ -50,6 +50,9 @@ class TrainConfig:
   checkpoint_every: int = 100
   keep_checkpoints: int = 3
   log_every: int = 10
+  # Steps in the efficiency report's profiler window (gem_jax/observe/meter.py; 0 = no window). On CPU a
+  # profiled step runs far slower than a plain one (a trace event per XLA thunk per device).
+  profile_steps: int = 3
   seed: int = 0
   # Runs over a finite dataset (a source with steps_per_epoch, e.g. the next-item datasets): when epochs > 0
   # the run lasts epochs x steps_per_epoch steps (`steps` is ignored) and eval_every_epochs > 0 evaluates
@@ -98,7 +101,7 @@ class TrainConfig:
                        f"{self.nonfinite_patience} and {self.max_nonfinite_restores}")
     if self.weight_decay < 0 or self.adagrad_initial_accumulator < 0:
       raise ValueError("TrainConfig.weight_decay and adagrad_initial_accumulator must be non-negative")
-    for name in ("epochs", "eval_every_epochs", "patience"):
+    for name in ("epochs", "eval_every_epochs", "patience", "profile_steps"):
       if getattr(self, name) < 0:
         raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
     if self.max_train_minutes < 0:

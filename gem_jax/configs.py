@@ -58,8 +58,10 @@ def tiny() -> Config:
                     # One history bucket: tests compile each step function once.
                     PipelineConfig(batch_size=32, history_bucket_fractions=(1.0,), read_threads=1,
                                    prefetch_buffer_size=2))
+  # A one-step profiler window: tiny's runs are tests and smoke runs, mostly on 1-8 virtual CPU devices, where a
+  # profiled step of the cpu_8 run takes ~10 s against ~0.3 s unprofiled.
   train = TrainConfig(steps=20, warmup_steps=2, eval_every=10, eval_examples=256, checkpoint_every=10,
-                      log_every=5)
+                      log_every=5, profile_steps=1)
   return Config("tiny", model, data, train, AdsMultiTaskConfig())
 
 

@@ -33,7 +33,6 @@ import numpy as np
 
 from gem_jax.observe import flops, hlo, profile, report
 
-PROFILE_STEPS = 3       # steps in the profiler window
 PROFILE_AFTER = 3       # steady steps before the window opens
 HYPOTHETICAL_SHARDS = 8  # rank imbalance of a one-device run is shown for this many shards
 
@@ -85,14 +84,15 @@ class RunMeter:
     if self.data_shards == 1:
       self.notes.append(f"rank_imbalance: one data shard; shown for {HYPOTHETICAL_SHARDS} hypothetical shards "
                         "of the same batches")
+    self.profile_steps = run.cfg.train.profile_steps  # steps in the profiler window
     self.profile_first = start_step + PROFILE_AFTER
-    self.profile_last = self.profile_first + PROFILE_STEPS - 1
+    self.profile_last = self.profile_first + self.profile_steps - 1
     self.trace = None
-    if not profile_enabled:
+    if not profile_enabled or not self.profile_steps:
       self.notes.append("step_breakdown: profiling disabled")
     elif self.profile_last + 1 >= end_step:
       self.notes.append(f"step_breakdown: the run is too short for a profiler window "
-                        f"({PROFILE_AFTER} + {PROFILE_STEPS} steps + 1)")
+                        f"({PROFILE_AFTER} + {self.profile_steps} steps + 1)")
     else:
       self.trace = profile.StepTrace(os.path.join(out_dir, "profile"))
     self._t_batch = None
@@ -232,7 +232,7 @@ class RunMeter:
     out["executed_flops_source"] = source if executed is not None else None
     out["time_to_first_step_s"] = time_to_first_step_s
     host = [r.host_s for r in measured]
-    breakdown = self.trace.breakdown(PROFILE_STEPS, self.num_devices) if self.trace is not None else None
+    breakdown = self.trace.breakdown(self.profile_steps, self.num_devices) if self.trace is not None else None
     if breakdown is not None:
       breakdown["host_data_s"] = statistics.median(host) if host else None
       window = [t for s, t in times.items() if self.profile_first <= s <= self.profile_last]
