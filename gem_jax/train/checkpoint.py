@@ -49,7 +49,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 FORMAT = 1
-_ITEMS = ("state", "extra", "meta", "integrity")
 _ARRAY_ITEMS = ("state", "integrity")
 
 
