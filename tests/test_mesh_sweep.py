@@ -45,10 +45,11 @@ def test_mesh_sweep_acceptance(tmp_path):
   # The cluster simulator predicts these bytes without compiling (issue 6: within 10%).
   from gem_jax import configs
   from gem_jax.config import apply_overrides
-  from gem_jax.observe.simulate import simulate
+  from gem_jax.observe.simulate import model_shapes, simulate
   from gem_jax.parallel import mesh as mesh_lib
   from tests.run_helpers import assert_matches_hlo
   cfg = apply_overrides(configs.get("tiny"), ["data.pipeline.batch_size=256"])
+  shapes = model_shapes(cfg)
   for name in ("cpu_8", "cpu_16_5d"):
-    sim = simulate(cfg, mesh_lib.load(os.path.join(ROOT, "meshes", f"{name}.yaml")))
+    sim = simulate(cfg, mesh_lib.load(os.path.join(ROOT, "meshes", f"{name}.yaml")), shapes=shapes)
     assert_matches_hlo(sim["comm"], sweep[name]["comm"], name)

@@ -59,3 +59,18 @@ def test_breakdown_without_a_trace_says_why(tmp_path):
   trace = profile.StepTrace(str(tmp_path / "empty"))
   assert trace.breakdown(num_steps=1, num_devices=1) is None
   assert "xplane" in trace.error
+
+
+def test_profiler_window_avoids_the_steps_an_evaluation_or_checkpoint_follows():
+  from gem_jax.observe.meter import quiet_window
+  # Hooks of period 4 run after dispatching steps 3, 7, ...; a window opening at 3 would hold one.
+  assert quiet_window(3, 1, (4, 4)) == 4
+  assert quiet_window(3, 3, (100, 100)) == 3          # nothing due: the window opens where asked
+  assert quiet_window(5, 2, (4, 6)) == 8               # steps 8, 9: 9 and 10 are multiples of neither
+  for first, length, periods in ((3, 1, (4, 4)), (5, 2, (4, 6)), (0, 3, (10, 7)), (12, 4, (5, 9))):
+    start = quiet_window(first, length, periods)
+    assert start >= first
+    assert all((s + 1) % p for s in range(start, start + length) for p in periods), (first, length, periods)
+  # No quiet window of that length exists (a checkpoint every 2 steps): the asked-for start, not a hang.
+  assert quiet_window(3, 3, (2, 100)) == 3
+  assert quiet_window(3, 0, (4,)) == 3 and quiet_window(3, 2, ()) == 3

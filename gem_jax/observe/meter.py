@@ -70,7 +70,7 @@ class RunMeter:
   (gem_jax/observe/flops.py: train(lengths) of the real rows, tiled_train(lengths) of every row)."""
 
   def __init__(self, run, *, out_dir: str, start_step: int, end_step: int, flop_model,
-               profile_enabled: bool = True, imbalance_every: int = 1):
+               profile_enabled: bool = True, imbalance_every: int = 1, busy_every: tuple[int, ...] = ()):
     self.run, self.flop_model = run, flop_model
     self.num_devices, self.data_shards, self.mesh_spec = run.num_devices, run.data_shards, run.mesh_spec
     # The balanced assignment is an LPT pass over the batch (~0.6 s at 65k rows): only on logged steps.
@@ -85,7 +85,7 @@ class RunMeter:
       self.notes.append(f"rank_imbalance: one data shard; shown for {HYPOTHETICAL_SHARDS} hypothetical shards "
                         "of the same batches")
     self.profile_steps = run.cfg.train.profile_steps  # steps in the profiler window
-    self.profile_first = start_step + PROFILE_AFTER
+    self.profile_first = quiet_window(start_step + PROFILE_AFTER, self.profile_steps, busy_every)
     self.profile_last = self.profile_first + self.profile_steps - 1
     self.trace = None
     if not profile_enabled or not self.profile_steps:
@@ -122,13 +122,17 @@ class RunMeter:
       if s in self.steps:
         self.steps[s].quiet = False
 
-  def profile_hook(self, step: int) -> None:
-    """Call at the top of the iteration that dispatches `step`, after draining step - 1."""
+  def profile_hook(self, step: int, wait=None) -> None:
+    """Call at the top of the iteration that dispatches `step`. `wait()` blocks until the last dispatched
+    step has finished: it runs before the trace stops, so the window holds all of its last step (the loop
+    itself never waits for a step it has just dispatched; this one wait is inside the busy window)."""
     if self.trace is None:
       return
     if step == self.profile_first:
       self.trace.start()
     elif step == self.profile_last + 1:
+      if wait is not None:
+        wait()
       self.trace.stop()
     if self.profile_first <= step <= self.profile_last + 1:
       self.mark_busy(step)
@@ -253,28 +257,41 @@ class RunMeter:
     return out
 
 
+def quiet_window(first: int, length: int, busy_every: tuple[int, ...]) -> int:
+  """The first step >= `first` of a profiler window of `length` steps during which no evaluation or
+  checkpoint runs. A hook with period p runs after dispatching step s when (s + 1) % p == 0, and the window
+  closes only when the step after it is dispatched, so those hooks would run inside it: on the tiny cpu_8
+  run an evaluation (its compile and 2,048 examples) made the window 303k trace events instead of 13k, and
+  stopping the trace took 23 s instead of 1.3 s."""
+  periods = [p for p in busy_every if p and p > 0]
+  if length <= 0 or not periods or min(periods) <= length:  # no quiet window of that length exists
+    return first
+  busy = lambda start: any((s + 1) % p == 0 for s in range(start, start + length) for p in periods)
+  return next((start for start in range(first, first + max(periods)) if not busy(start)), first)
+
+
 def one_device_baseline(run, per_device_batch: int, peak_flops: float, steps: int = 5) -> dict:
   """Step time of the same config at `per_device_batch` rows on one device (the first), for local MFU and
-  scaling efficiency: built, compiled, warmed up once, then the median of `steps` blocked steps."""
+  scaling efficiency: built, compiled, warmed up once, then the median of `steps` blocked steps, all on the
+  source's first batch (one batch shape, so one compile: the history buckets of later batches would each
+  compile their own program, ~5 s apiece on the test suite's flags)."""
   from gem_jax.run.build import build
 
   cfg = run.cfg
   one = dataclasses.replace(cfg, mesh=None, data=_with_batch_size(cfg.data, per_device_batch))
   with jax.default_device(jax.devices()[0]):
     single = build(one, devices=jax.devices()[:1])
-    it = single.source.train_iterator()
-    batches = [next(it) for _ in range(steps + 1)]
-    state, model_flops, times = single.state, [], []
-    flop_model = flops.FlopModel(single)
-    for i, b in enumerate(batches):
-      device_batch = single.device_batch(b)
+    batch = next(single.source.train_iterator())
+    device_batch = single.device_batch(batch)
+    state, times = single.state, []
+    for i in range(steps + 1):
       t = time.perf_counter()
       state, m = single.train_step(state, device_batch)
       jax.block_until_ready(m)
       if i:
         times.append(time.perf_counter() - t)
-        model_flops.append(flop_model.train(single.source.lengths(b)))
-  return {"step_time_s": statistics.median(times), "model_flops_per_step": statistics.fmean(model_flops),
+    model_flops = flops.FlopModel(single).train(single.source.lengths(batch))
+  return {"step_time_s": statistics.median(times), "model_flops_per_step": model_flops,
           "examples_per_step": per_device_batch, "peak_flops_per_device": peak_flops, "steps": steps}
 
 

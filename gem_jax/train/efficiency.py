@@ -36,7 +36,8 @@ class Meter(Hook):
       return
     self.flop_model = flops.FlopModel(t.run)
     self.meter = meter_lib.RunMeter(t.run, out_dir=t.out_dir, start_step=t.step, end_step=t.end_step,
-                                    flop_model=self.flop_model, imbalance_every=self.imbalance_every)
+                                    flop_model=self.flop_model, imbalance_every=self.imbalance_every,
+                                    busy_every=tuple(h.every for h in t.hooks if h.key in ("checkpoint", "evaluate")))
     self.meter.notes += self.flop_model.notes
     # Before the first step donates the state.
     self.optimizer_flops = meter_lib.optimizer_flops_sharded(t.run.optimizer, t.state.params, t.state.opt_state,
@@ -45,7 +46,7 @@ class Meter(Hook):
 
   def before_batch(self, t) -> None:
     if self.meter is not None:
-      self.meter.profile_hook(t.step)
+      self.meter.profile_hook(t.step, wait=lambda: jax.block_until_ready(t.state))
       self.meter.batch_started()
 
   def before_dispatch(self, t, host_batch) -> None:

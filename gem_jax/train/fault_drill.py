@@ -176,7 +176,7 @@ def _compare(args, ref_dir: str, drill_dir: str) -> dict:
   loss_diffs = [s for s in sorted(set(ref_losses) | set(drill_losses))
                 if s not in ref_losses or s not in drill_losses
                 or np.float64(ref_losses[s]).tobytes() != np.float64(drill_losses[s]).tobytes()]
-  abstract = build(_config(args)).abstract_state()
+  abstract = build(_config(args), abstract=True).abstract_state()  # shapes and shardings only: nothing compiled
   states = []
   for d in (ref_dir, drill_dir):
     with Checkpointer(os.path.join(d, "checkpoints"), keep=3, save_every=args.checkpoint_every) as ckpt:
