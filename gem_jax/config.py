@@ -26,7 +26,10 @@ from typing import Any
 # Two optimizers, as in TorchRec/FBGEMM recommenders (gem_jax/run/optim.py):
 #   dense params      AdamW, linear warmup to `learning_rate` then cosine decay to
 #                     `learning_rate * end_lr_fraction` at `steps`, global-norm clipping at `grad_clip_norm`
-#   embedding tables  row-wise Adagrad at a constant `embedding_learning_rate`
+#   embedding tables  a row optimizer (`embedding_optimizer`: row-wise Adagrad, SGD or row-wise Adam) at a
+#                     constant `embedding_learning_rate`; `embedding_update` = "sparse" applies it to the rows
+#                     a batch touched (the sparse engine), "dense" (the default until the simulator models
+#                     the engine's sync) to a V x E gradient per table
 # CPU-sized defaults (a laptop run of a few hundred steps); named configs replace fields.
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +43,10 @@ class TrainConfig:
   b1: float = 0.9
   b2: float = 0.999
   grad_clip_norm: float = 1.0     # global norm over the dense gradients; tables are not clipped
-  # Row-wise Adagrad for embedding tables.
+  # Embedding tables (gem_jax/run/table_optim.py, gem_jax/run/table_update.py). Row-wise Adam uses b1 / b2
+  # above and adagrad_eps.
+  embedding_optimizer: str = "rowwise_adagrad"
+  embedding_update: str = "dense"
   embedding_learning_rate: float = 0.05
   adagrad_initial_accumulator: float = 0.0
   adagrad_eps: float = 1e-8
@@ -94,6 +100,11 @@ class TrainConfig:
     for name in ("b1", "b2"):
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+    if self.embedding_optimizer not in ("rowwise_adagrad", "sgd", "rowwise_adam"):
+      raise ValueError(f"TrainConfig.embedding_optimizer must be rowwise_adagrad, sgd or rowwise_adam, got "
+                       f"{self.embedding_optimizer!r}")
+    if self.embedding_update not in ("sparse", "dense"):
+      raise ValueError(f"TrainConfig.embedding_update must be 'sparse' or 'dense', got {self.embedding_update!r}")
     if self.on_nonfinite not in ("restore", "stop"):
       raise ValueError(f"TrainConfig.on_nonfinite must be 'restore' or 'stop', got {self.on_nonfinite!r}")
     if self.nonfinite_patience < 1 or self.max_nonfinite_restores < 0:

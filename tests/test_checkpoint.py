@@ -276,3 +276,33 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     ckpt.wait()
     assert ckpt.all_steps() == [1, 2]
   assert not [n for n in os.listdir(tmp_path) if n.startswith("2.")]
+
+
+def test_restore_refuses_a_dtype_only_mismatch_and_a_wrong_weighted_hash(tmp_path, monkeypatch):
+  """A target leaf that differs from the saved one only in dtype is refused by name; and the weighted
+  (second) hash column counts on its own: a restore whose recomputed weighted sums differ while the plain
+  sums agree (two words swapped) is refused as corrupt."""
+  from gem_jax.train import checkpoint as checkpoint_lib
+  state = _state(3)
+  abstract = jax.eval_shape(lambda: state)
+  with Checkpointer(tmp_path / "c", keep=1, save_every=1) as ckpt:
+    ckpt.save(1, state)
+  w = abstract["params"]["w"]
+  wrong = dict(abstract, params=dict(abstract["params"], w=jax.ShapeDtypeStruct(w.shape, jnp.bfloat16)))
+  with Checkpointer(tmp_path / "c", keep=1, save_every=1) as ckpt:
+    with pytest.raises(ValueError, match=r"does not match abstract_state at \['params'\]\['w'\].*float32.*bfloat16"):
+      ckpt.restore(abstract_state=wrong)
+  # Swapping two words keeps every plain sum and changes the weighted one.
+  x = jnp.arange(8, dtype=jnp.uint32)
+  a, b = fingerprint({"x": x}), fingerprint({"x": x[jnp.array([1, 0, 2, 3, 4, 5, 6, 7])]})
+  assert np.asarray(a)[0, 0] == np.asarray(b)[0, 0] and np.asarray(a)[0, 1] != np.asarray(b)[0, 1]
+  real = checkpoint_lib._fingerprint
+
+  def weighted_off(leaves):
+    h = real(leaves)
+    return h.at[0, 1].add(jnp.uint32(1))
+
+  monkeypatch.setattr(checkpoint_lib, "_fingerprint", weighted_off)
+  with Checkpointer(tmp_path / "c", keep=1, save_every=1) as ckpt:
+    with pytest.raises(CheckpointCorruptError, match="fails its integrity hashes"):
+      ckpt.restore(abstract_state=abstract, fallback=False)

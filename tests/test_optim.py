@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from gem_jax.run import optim
+from gem_jax.run import optim, table_optim
 from gem_jax.config import TrainConfig
 
 
@@ -55,7 +55,7 @@ def test_rowwise_adagrad_matches_hand_computation_over_steps():
       if np.any(g[v] != 0):
         want_a[v] += np.mean(g[v].astype(np.float64) ** 2)
         want_p[v] -= lr * g[v] / (np.sqrt(want_a[v]) + eps)
-  np.testing.assert_allclose(state.accumulator["t"], want_a, rtol=1e-6)
+  np.testing.assert_allclose(state.slots[0]["t"], want_a, rtol=1e-6)
   np.testing.assert_allclose(params["t"], want_p, rtol=1e-5, atol=1e-6)
 
 
@@ -66,7 +66,7 @@ def test_untouched_rows_stay_bit_exact_even_with_zero_eps_and_accumulator():
   g = jnp.zeros((4, 3), jnp.float32).at[2].set(jnp.array([1.0, -2.0, 0.0]))
   updates, state = tx.update({"t": g}, state)
   new = np.asarray(optax.apply_updates({"t": table}, updates)["t"])
-  acc = np.asarray(state.accumulator["t"])
+  acc = np.asarray(state.slots[0]["t"])
   assert np.all(np.isfinite(new))
   np.testing.assert_array_equal(new[[0, 1, 3]], np.asarray(table)[[0, 1, 3]])
   np.testing.assert_array_equal(acc[[0, 1, 3]], 0.0)
@@ -78,8 +78,8 @@ def test_untouched_rows_stay_bit_exact_even_with_zero_eps_and_accumulator():
 def test_rowwise_state_is_one_float32_per_row():
   tx = optim.rowwise_adagrad(0.1)
   state = tx.init({"a": jnp.zeros((7, 4), jnp.bfloat16), "b": jnp.zeros((3, 2), jnp.float32)})
-  assert state.accumulator["a"].shape == (7,) and state.accumulator["a"].dtype == jnp.float32
-  assert state.accumulator["b"].shape == (3,)
+  assert state.slots[0]["a"].shape == (7,) and state.slots[0]["a"].dtype == jnp.float32
+  assert state.slots[0]["b"].shape == (3,)
   updates, _ = tx.update({"a": jnp.ones((7, 4), jnp.bfloat16), "b": jnp.ones((3, 2))}, state)
   assert updates["a"].dtype == jnp.bfloat16
 
@@ -91,7 +91,7 @@ def test_rowwise_rejects_non_tables():
 
 def test_accumulator_shards_like_the_table_rows():
   state = optim.rowwise_adagrad(0.1).init({"table": _params()["table"]})
-  acc = state.accumulator["table"]
+  acc = state.slots[0]["table"]
   assert isinstance(acc, Table) and acc.get_value().shape == (6,)
   assert acc.get_metadata()["out_sharding"] == ("table_rows",)
 
@@ -119,7 +119,7 @@ def test_tables_get_no_adam_moments_and_dense_gets_no_row_accumulator():
   adam = _find(state, optax.ScaleByAdamState)
   assert isinstance(adam.mu["table"], optax.MaskedNode) and isinstance(adam.nu["table"], optax.MaskedNode)
   assert adam.mu["proj"]["kernel"].get_value().shape == (4, 3)
-  acc = _find(state, optim.RowwiseAdagradState).accumulator
+  acc = _find(state, table_optim.TableState).slots[0]
   assert isinstance(acc["proj"]["kernel"], optax.MaskedNode)
   assert acc["table"].get_value().shape == (6,)
 
@@ -186,3 +186,31 @@ def test_adam_step_uses_the_schedule():
 def test_train_config_rejects_bad_values(field, value):
   with pytest.raises(ValueError, match=field):
     dataclasses.replace(TrainConfig(), **{field: value})
+
+
+def test_dense_gradients_are_clipped_by_their_own_norm_and_no_table_gradient_reaches_them():
+  """Global-norm clipping rescales the dense gradients (Adam's first moment holds (1 - b1) x the clipped
+  gradient) by the dense norm alone: a huge table gradient leaves every dense update and moment bit-identical."""
+  cfg = dataclasses.replace(CFG, grad_clip_norm=0.5, b1=0.9)
+  params = nnx.to_pure_dict(_params())
+  tx = optim.make_optimizer(cfg, _params(), Table)
+  rng = np.random.default_rng(0)
+  grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape).astype(np.float32)) * 10, params)
+  dense_norm = float(np.sqrt(sum(np.sum(np.square(np.asarray(g))) for k, g in
+                                 jax.tree_util.tree_leaves_with_path(grads) if "table" not in jax.tree_util.keystr(k))))
+  assert dense_norm > 5 * cfg.grad_clip_norm
+  update = jax.jit(tx.update)
+  out = {}
+  for scale in (1.0, 1e6):
+    g = dict(grads, table=grads["table"] * scale)
+    out[scale] = update(g, tx.init(params), params)
+  mu = _find(out[1.0][1], optax.ScaleByAdamState).mu
+  np.testing.assert_allclose(np.asarray(mu["proj"]["kernel"]),
+                             (1 - cfg.b1) * np.asarray(grads["proj"]["kernel"]) * cfg.grad_clip_norm / dense_norm,
+                             rtol=1e-5)
+  for scale in (1.0, 1e6):
+    (u, s) = out[scale]
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((u, _find(s, optax.ScaleByAdamState))),
+                                 jax.tree_util.tree_leaves((out[1.0][0], _find(out[1.0][1], optax.ScaleByAdamState)))):
+      if "table" not in jax.tree_util.keystr(path):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), jax.tree_util.keystr(path)

@@ -241,3 +241,19 @@ def test_small_overflow_takes_only_the_spill_round():
   np.testing.assert_array_equal(np.asarray(stats["spill"]), 1)
   np.testing.assert_array_equal(np.asarray(stats["second"]), 0)
   np.testing.assert_array_equal(np.asarray(stats["last_resort"]), 0)
+
+
+def test_every_slot_in_use_reads_every_row_exactly():
+  """Capacity 1 and one data shard asking for ids that all live on one owner: round 1, the spill and the
+  second round take one id each and the last-resort round exactly the rest, every slot filled (a last-resort
+  round one slot short would leave a row silently zero)."""
+  mesh = make_mesh((2, 2, 2, 1, 1))
+  rng = np.random.default_rng(7)
+  table = rng.standard_normal((V, E)).astype(np.float32)
+  n = 16
+  ids = rng.integers(0, V, (num_data_shards(mesh), n)).astype(np.int32)
+  ids[0] = rng.choice(V // 2, n, replace=False)  # distinct, all owned by shard 0 of `sparse`
+  rows, stats = lookup_fn(mesh, ("sparse",), 1)(*place(mesh, ("sparse",), table, ids))
+  np.testing.assert_array_equal(np.asarray(rows), reference_rows(table, ids))
+  for key in ("spill", "second", "last_resort"):
+    np.testing.assert_array_equal(np.asarray(stats[key]), 1, err_msg=key)

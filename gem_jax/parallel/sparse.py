@@ -29,6 +29,7 @@ P shards of the table, C capacity (ids per destination per round).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -161,6 +162,62 @@ def sharded_lookup(table_VlxE: jax.Array, ids: jax.Array, *, axes: str | Sequenc
         "remote_unique": jnp.sum(valid_U & (owner_U != me), dtype=jnp.int32),
     }
   return jnp.reshape(rows_NxE, ids.shape + (table_VlxE.shape[1],)), stats
+
+
+def send_to_owners(ids_U: jax.Array, values_UxE: jax.Array, *, axes: str | Sequence[str], num_rows: int,
+                   capacity: int, uniform_axes: Sequence[str], spill_fraction: float = 0.125):
+  """The reverse of a lookup: each device's (id, row) pairs to the shard that owns the id; call inside
+  `jax.shard_map`. The sparse engine sends row gradients this way (gem_jax/run/table_update.py).
+
+  ids_U: distinct ids, sorted ascending, invalid slots (>= num_rows or < 0) last, as jnp.unique with
+  fill_value=num_rows gives them; values_UxE: one row per id. Rounds as in `sharded_lookup`: `capacity`
+  slots per owner, then the spill, second and last-resort rounds only when some device needs them, so
+  no id is ever dropped. Returns (local_M, values_MxE, stats) on the owner: the rows it received, M = P x
+  (the rounds' slots), with the id as a row of its own block (local_M = -1 in an empty slot, whose value
+  is zeros); an id may arrive from several devices. stats: "overflow" (1 if any fallback round ran).
+  """
+  axes, uniform_axes = _as_axes(axes), _as_axes(uniform_axes)
+  num_shards = jax.lax.axis_size(axes)
+  if num_rows % num_shards:
+    raise ValueError(f"send_to_owners: num_rows={num_rows} is not divisible by the {num_shards} shards of {axes}")
+  rows_per_shard = num_rows // num_shards
+  n = ids_U.shape[0]
+  capacity = int(min(max(1, capacity), n))
+  with jax.named_scope("embedding_grad_to_owner"):
+    valid_U = (ids_U >= 0) & (ids_U < num_rows)
+    owner_U = jnp.where(valid_U, ids_U // rows_per_shard, 0)
+    local_U = jnp.where(valid_U, ids_U - owner_U * rows_per_shard, _PAD)
+    start_U = jnp.searchsorted(ids_U, owner_U * rows_per_shard, side="left")
+    slot_U = jnp.arange(n, dtype=jnp.int32) - start_U.astype(jnp.int32)
+
+    def send(send_U, slot_U, size):
+      dest_U = jnp.where(send_U, owner_U, num_shards)
+      ids_PxC = jnp.full((num_shards, size), _PAD, jnp.int32).at[dest_U, slot_U].set(local_U, mode="drop")
+      rows_PxCxE = jnp.zeros((num_shards, size) + values_UxE.shape[1:], values_UxE.dtype)
+      rows_PxCxE = rows_PxCxE.at[dest_U, slot_U].set(values_UxE, mode="drop")
+      return (jax.lax.all_to_all(ids_PxC, axes, 0, 0).reshape(-1),
+              jax.lax.all_to_all(rows_PxCxE, axes, 0, 0).reshape((-1,) + values_UxE.shape[1:]))
+
+    ids, rows = send(valid_U & (slot_U < capacity), slot_U, capacity)
+    received_ids, received_rows, ran = [ids], [rows], []
+    spill = int(min(max(1, math.ceil(spill_fraction * capacity)), n - capacity))
+    again = int(min(capacity, n - capacity - spill))
+    for lo, size in ((capacity, spill), (capacity + spill, again), (capacity + spill + again, n - capacity - spill - again)):
+      if size <= 0:
+        continue
+      extra_U = valid_U & (slot_U >= lo) & (slot_U < lo + size)
+      go = jax.lax.pmax(jnp.any(extra_U).astype(jnp.int32), uniform_axes)
+      ran.append(go)
+      # Typed like the received arrays (varying where the inputs vary), whatever the inputs hold.
+      empty = (jnp.where(True, _PAD, jnp.broadcast_to(local_U[:1], (num_shards * size,))),
+               jnp.where(True, jnp.zeros((), values_UxE.dtype),
+                         jnp.broadcast_to(values_UxE[:1], (num_shards * size,) + values_UxE.shape[1:])))
+      ids, rows = jax.lax.cond(go > 0, lambda e=extra_U, lo=lo, size=size: send(e, slot_U - lo, size),
+                               lambda empty=empty: empty)
+      received_ids.append(ids)
+      received_rows.append(rows)
+    overflow = functools.reduce(jnp.maximum, ran, jnp.zeros((), jnp.int32))
+  return jnp.concatenate(received_ids), jnp.concatenate(received_rows), {"overflow": overflow}
 
 
 def capacity_for(ids_per_shard: Sequence[np.ndarray], num_rows: int, num_shards: int, slack: float = 1.1,

@@ -146,7 +146,8 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
                              capacity_multiple)
   run = Run(cfg, source, task, mesh_spec, mesh, p, optimizer, graphdef, rest, state, capacities)
   if not abstract or local:
-    run.train_step = step_lib.make_train_step(graphdef, rest, optimizer, task, p, state, capacities)
+    run.train_step = step_lib.make_train_step(graphdef, rest, optimizer, task, p, state, capacities,
+                                              cfg.train.embedding_update)
     run.eval_step = step_lib.make_eval_step(graphdef, rest, task, p, state.params, capacities)
   return run
 

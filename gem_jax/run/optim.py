@@ -1,4 +1,5 @@
-"""Optimizers: row-wise Adagrad for embedding tables, clipped AdamW with warmup + cosine for the rest.
+"""Optimizers: a row optimizer for embedding tables (gem_jax/run/table_optim.py: row-wise Adagrad by default,
+SGD, row-wise Adam), clipped AdamW with warmup + cosine for the rest.
 
 Letters: V table rows, E embedding width.
 
@@ -10,6 +11,8 @@ its pure-dict form (`nnx.to_pure_dict(state)`) alike.
 
 Row-wise Adagrad (TorchRec / FBGEMM `EXACT_ROWWISE_ADAGRAD`) keeps one accumulator per table row, so its
 state is (V,) per table and shards like the table's rows; dense Adam would cost 2 V E floats per table.
+The sparse engine (gem_jax/run/table_update.py) updates tables itself, from `Optimizer.rule`, and runs only
+`Optimizer.dense` on the dense gradients; both read and write the one optimizer state of `Optimizer.init`.
 
 This module must never let a table reach AdamW: AdamW's moments make every row "touched" (a row with
 no gradient this step still moves), weight decay would shrink rows that are rarely seen, and global-norm
@@ -19,7 +22,8 @@ raises instead of falling into a default group.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,77 +31,24 @@ import optax
 from flax import nnx
 
 from gem_jax.config import TrainConfig
+from gem_jax.run import table_optim
 
 TABLE = "table"
 DENSE = "dense"
 
 
 # ---- row-wise Adagrad -----------------------------------------------------------------------------
-class RowwiseAdagradState(NamedTuple):
-  accumulator: Any  # per table: (V,) float32, the running sum of mean-over-E squared gradients
+def rowwise_adagrad(learning_rate: float, initial_accumulator: float = 0.0,
+                    eps: float = 1e-8) -> optax.GradientTransformation:
+  """Row-wise Adagrad for V x E tables (gem_jax/run/table_optim.py): a_V += mean_E(g^2);
+  update = -lr * g / (sqrt(a) + eps). A row whose gradient is exactly zero keeps its accumulator and gets an
+  update of exactly zero, even with eps = 0 and a zero accumulator. The accumulator (state.slots[0]) is
+  float32 whatever the table dtype; updates come back in the gradient's dtype."""
+  return table_optim.RowwiseAdagrad(learning_rate, initial_accumulator, eps).transformation()
 
 
 def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
-
-
-def _row_state_like(table, acc_V):
-  """Wraps the (V,) accumulator like `table`: an nnx Variable keeps its type and its row sharding, so
-  `nnx.get_partition_spec(opt_state)` shards the accumulator over the table's row axis."""
-  if not _is_variable(table):
-    return acc_V
-  metadata = {}
-  names = table.get_metadata().get("out_sharding")
-  if isinstance(names, (tuple, list)) and len(names) == 2:
-    metadata["out_sharding"] = (names[0],)
-  return table.replace(value=acc_V, **metadata)
-
-
-def rowwise_adagrad(learning_rate: float, initial_accumulator: float = 0.0,
-                    eps: float = 1e-8) -> optax.GradientTransformation:
-  """Row-wise Adagrad for V x E tables: a_V += mean_E(g^2); update = -lr * g / (sqrt(a) + eps).
-
-  A row whose gradient is exactly zero keeps its accumulator and gets an update of exactly zero (the
-  sparse semantics of a lookup-based optimizer), even with eps = 0 and a zero accumulator. The
-  accumulator is float32 whatever the table dtype; updates come back in the gradient's dtype.
-  """
-
-  def check(path, g):
-    if g.ndim != 2:
-      raise ValueError(f"rowwise_adagrad: parameter {jax.tree_util.keystr(path)} has shape {g.shape}; "
-                       "only V x E embedding tables are supported")
-
-  def init_fn(params):
-    def init_one(path, p):
-      value = p.get_value() if _is_variable(p) else p
-      check(path, value)
-      return _row_state_like(p, jnp.full(value.shape[:1], initial_accumulator, jnp.float32))
-    return RowwiseAdagradState(jax.tree_util.tree_map_with_path(init_one, params, is_leaf=_is_variable))
-
-  def update_one(g_VxE, acc_V):
-    g32_VxE = g_VxE.astype(jnp.float32)
-    touched_V = jnp.any(g32_VxE != 0, axis=1)
-    acc_V = acc_V + jnp.mean(jnp.square(g32_VxE), axis=1)
-    step_V = learning_rate / (jnp.sqrt(acc_V) + eps)
-    step_V = jnp.where(touched_V, step_V, 0.0)  # untouched rows: exactly 0, never 0 * inf
-    return (-step_V[:, None] * g32_VxE).astype(g_VxE.dtype), acc_V
-
-  def update_fn(updates, state, params=None):
-    del params
-
-    def one(g, acc):
-      if _is_variable(g):  # the two Variables differ in metadata (row vs table sharding): unwrap both
-        u, a = update_one(g.get_value(), acc.get_value())
-        return g.replace(value=u), acc.replace(value=a)
-      return update_one(g, acc)
-
-    treedef = jax.tree.structure(updates, is_leaf=_is_variable)
-    pairs = treedef.flatten_up_to(jax.tree.map(one, updates, state.accumulator, is_leaf=_is_variable))
-    new_updates = treedef.unflatten([u for u, _ in pairs])
-    new_acc = treedef.unflatten([a for _, a in pairs])
-    return new_updates, RowwiseAdagradState(new_acc)
-
-  return optax.GradientTransformation(init_fn, update_fn)
 
 
 # ---- labels ---------------------------------------------------------------------------------------
@@ -171,9 +122,43 @@ def dense_schedule(cfg: TrainConfig, total_steps: int | None = None) -> optax.Sc
       decay_steps=total_steps or cfg.steps, end_value=cfg.learning_rate * cfg.end_lr_fraction)
 
 
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+  """The run's optimizer: an optax transformation over the whole parameter tree (`init`, `update`: tables
+  get their row rule on V x E gradients, the dense path) and its two parts for the sparse engine, which
+  updates tables itself: `dense` (optax.masked over the dense parameters, the same transformation and state
+  as inside the whole) and `rule` (the tables' row optimizer). State layout: that of optax.multi_transform
+  with groups TABLE and DENSE (`dense_state`, `table_state` read the parts)."""
+  whole: optax.GradientTransformation
+  dense: optax.GradientTransformation
+  rule: table_optim.RowRule
+
+  def init(self, params):
+    return self.whole.init(params)
+
+  def update(self, grads, state, params=None):
+    return self.whole.update(grads, state, params)
+
+  @staticmethod
+  def dense_state(state):
+    return state.inner_states[DENSE]
+
+  @staticmethod
+  def table_state(state) -> table_optim.TableState:
+    return state.inner_states[TABLE].inner_state
+
+  @staticmethod
+  def with_parts(state, dense_state, table_state):
+    inner = dict(state.inner_states)
+    inner[DENSE] = dense_state
+    inner[TABLE] = inner[TABLE]._replace(inner_state=table_state)
+    return state._replace(inner_states=inner)
+
+
 def make_optimizer(cfg: TrainConfig, params, table_type: type | None = None,
-                   total_steps: int | None = None) -> optax.GradientTransformation:
-  """Tables -> row-wise Adagrad; everything else -> global-norm clip + AdamW (decay on >= 2-D kernels).
+                   total_steps: int | None = None) -> Optimizer:
+  """Tables -> their row rule (train.embedding_optimizer, default row-wise Adagrad); everything else ->
+  global-norm clip + AdamW (decay on >= 2-D kernels). Clipping sees the dense gradients only.
 
   `params`: the typed parameter tree (nnx.State of nnx.Variables) the optimizer is built for. The result
   accepts that tree or its pure dict; a parameter it was not built for raises a KeyError.
@@ -184,5 +169,7 @@ def make_optimizer(cfg: TrainConfig, params, table_type: type | None = None,
       optax.adamw(dense_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
                   mask=_lookup(known, lambda label, ndim: label == DENSE and ndim >= 2)),
   )
-  tables = rowwise_adagrad(cfg.embedding_learning_rate, cfg.adagrad_initial_accumulator, cfg.adagrad_eps)
-  return optax.multi_transform({TABLE: tables, DENSE: dense}, _lookup(known, lambda label, ndim: label))
+  rule = table_optim.make_rule(cfg)
+  whole = optax.multi_transform({TABLE: rule.transformation(), DENSE: dense}, _lookup(known, lambda label, ndim: label))
+  dense_only = optax.masked(dense, _lookup(known, lambda label, ndim: label == DENSE))
+  return Optimizer(whole, dense_only, rule)

@@ -26,7 +26,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from gem_jax.model.embeddings import Table
 
 from gem_jax.parallel import placement, spmd
 from gem_jax.parallel.placement import Plan
@@ -57,10 +60,8 @@ def guarded_update(optimizer: optax.GradientTransformation, state: TrainState, l
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  # Element-wise selects that XLA fuses into the update's own loops: no extra pass over the parameters.
-  keep = lambda new, old: jnp.where(finite, new, old)
-  params = jax.tree_util.tree_map(keep, params, state.params)
-  opt_state = jax.tree_util.tree_map(keep, opt_state, state.opt_state)
+  params = _keep(finite, params, state.params)
+  opt_state = _keep(finite, opt_state, state.opt_state)
   metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
   return TrainState(params, opt_state, state.step + 1, state.rng), metrics
 
@@ -71,16 +72,32 @@ def _step_specs(p: Plan, tree):
                                 is_leaf=lambda x: isinstance(x, P))
 
 
-def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, task, p: Plan,
-                    state: TrainState, capacities: dict[str, int] | None = None) -> Callable:
+def _keep(finite, new, old):
+  # Element-wise selects that XLA fuses into the update's own loops: no extra pass over the parameters.
+  return jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def make_train_step(graphdef, rest, optimizer, task, p: Plan, state: TrainState,
+                    capacities: dict[str, int] | None = None, embedding_update: str = "dense") -> Callable:
   """train_step(state, sharded batch) -> (state, metrics); `state` (placed by placement.place_state) is
   donated. The task gives the per-shard sums (task.sums) and the loss of their totals (task.loss).
 
   capacities: per lookup call, the per-destination slots of the embedding all-to-all
   (sparse.capacity_for); a lookup that needs more runs an exact fallback round and says so in
   `emb/<call>/overflow`.
+  embedding_update: "sparse" differentiates the rows the batch read and updates only those
+  (gem_jax/run/table_update.py, with `optimizer` a run.optim.Optimizer); "dense" differentiates the tables
+  whole (a V x E gradient per table) and gives them to the optimizer with everything else.
   """
   capacities = dict(capacities or {})
+  shardings = placement.state_shardings(state, p)
+  if embedding_update == "sparse" and any(isinstance(v, Table) for v in jax.tree_util.tree_leaves(
+      state.params, is_leaf=lambda x: isinstance(x, nnx.Variable))):
+    from gem_jax.run import table_update
+    sparse_step = table_update.make_step(graphdef, rest, optimizer, task, p, state, capacities,
+                                         global_norm=global_norm, guarded_keep=_keep)
+    return jax.jit(sparse_step, in_shardings=(shardings, NamedSharding(p.mesh, P(DATA_AXES))),
+                   out_shardings=(shardings, NamedSharding(p.mesh, P())), donate_argnums=0)
   param_specs = _step_specs(p, state.params)
   batch_spec = spmd.data_spec(p.mesh)
 
@@ -100,7 +117,6 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, tas
     new_state, metrics = guarded_update(optimizer, state, loss, grads)
     return new_state, {**metrics, **aux}
 
-  shardings = placement.state_shardings(state, p)
   return jax.jit(train_step, in_shardings=(shardings, NamedSharding(p.mesh, P(DATA_AXES))),
                  out_shardings=(shardings, NamedSharding(p.mesh, P())), donate_argnums=0)
 

@@ -1,0 +1,316 @@
+"""The sparse embedding engine: a train step whose table work follows the ids a batch reads, not V.
+
+Letters: V table rows, Vl rows of this device's block, E width, N ids a lookup call reads on one device,
+U distinct ids, M rows an owner receives, D devices.
+
+Three stages, in the one jitted train step (gem_jax/run/step.py picks this path for
+train.embedding_update = "sparse"; "dense" keeps the V x E gradient as the reference):
+  ids     before the step is traced, a count-only trace of the task (jax.eval_shape, nothing runs) lists
+          the lookup calls of this batch shape: (table, N) in call order.
+  grads   the loss is differentiated with respect to the dense parameters and one zero "sink" per lookup
+          call (N x E on every device) that the lookup adds to the rows it read. The tables themselves are
+          not differentiated, so the backward produces each call's row cotangents (N x E) and nothing of
+          size V. The forward lookup is the usual one (a local gather, or gem_jax/parallel/sparse.py's
+          all-to-all on a row-sharded table); the lookup also returns the ids it read.
+  update  (no gradient, under shard_map) per table: cotangents summed over the devices that hold the same
+          data shard (context, tensor: one psum of N x E), ids deduplicated and their rows summed (sorted
+          unique + segment sum, as FBGEMM's TBE backward), rows sent to their owner over all-to-all
+          (sparse.send_to_owners; a table sharded over `sparse` or `fsdp x sparse`), merged again across
+          copies of the table on other data axes, and the row rule (gem_jax/run/table_optim.py) applied to
+          the touched rows only: gather rows and slots, update, scatter into the donated table.
+
+Copies of a table on other data axes (rows over `sparse` while `fsdp`/`replica` > 1, or a replicated
+table) must end the step identical. For n copies and U touched rows per copy, all-gathering (ids, rows)
+moves (n - 1) U (E + 1) words to each device; a dense all-reduce of the block moves 2 (n - 1) / n V E.
+The engine all-gathers unless the dense sync is smaller (small replicated tables: `dense_sync`), and
+the cheapest layout of all is rows over every data axis holding a copy (no copies to sync; the
+all-to-all then moves only the rows' gradients, once): a mesh file's `table_rows` rule chooses it.
+
+Non-finite guard: the merged row gradients' squared norm joins the dense one; a step whose loss or
+gradient is not finite writes no row (and the dense parameters stay, as in step.guarded_update).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from gem_jax import runtime
+from gem_jax.model.embeddings import Table
+from gem_jax.parallel import sparse, spmd
+from gem_jax.parallel.rules import DATA_AXES
+
+COPY_AXES = ("context", "tensor")  # devices along these hold the same data shard
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def table_names(tables) -> list[str]:
+  """The table names of a Table-only nnx.State, in its leaf order."""
+  return [str(getattr(path[-1], "key", path[-1])) for path, _ in
+          jax.tree_util.tree_leaves_with_path(tables, is_leaf=_is_var)]
+
+
+class _Calls:
+  def __init__(self):
+    self.calls: list[tuple[str, int]] = []
+
+  def record(self, what: str, **facts) -> None:
+    if what == "lookup":
+      self.calls.append((facts["table"], int(math.prod(facts["ids"].shape))))
+
+
+def lookup_calls(graphdef, rest, task, params, local_batch) -> list[tuple[str, int]]:
+  """(table, ids read) of every lookup the task's loss makes on one data shard of this batch shape, in call
+  order: an abstract, count-only trace (nothing is computed or allocated)."""
+  recorder = _Calls()
+  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, local_batch))
+
+  def trace(params, batch):
+    with runtime.using(recorder=recorder, count_only=True):
+      task.sums(nnx.merge(graphdef, params, rest), batch, None)
+    return 0
+
+  jax.eval_shape(trace, *abstract)
+  return recorder.calls
+
+
+def sink_lookup(inner, calls, sinks, recorded):
+  """The lookup of the grads stage: `inner`'s rows plus this call's sink, and the call's ids kept."""
+
+  def fn(table, rows_VxE, ids):
+    i = len(recorded)
+    key = (table, int(math.prod(ids.shape)))
+    if i >= len(calls) or calls[i] != key:
+      raise RuntimeError(f"sparse engine: lookup call {i} is {key}, but the count-only trace listed "
+                         f"{calls[i] if i < len(calls) else 'no more calls'}; the model's lookups must not depend "
+                         "on anything but the batch shape")
+    out = inner(table, rows_VxE, ids)
+    recorded.append(jnp.reshape(ids, (-1,)).astype(jnp.int32))
+    return out + sinks[i].reshape(out.shape).astype(out.dtype)
+
+  return fn
+
+
+def _merge_rows(ids_M, g_MxE, num_rows: int, parts: tuple[int, ...] | None = None):
+  """Distinct ids (sorted, `num_rows` in unused slots) and the summed rows of each: the segment sum.
+
+  parts: the sizes of consecutive runs of ids_M (one per lookup call); each run is summed on its own and
+  the runs' sums are added last run first, the order in which JAX's backward adds the V x E gradients of
+  several lookups of one table, so the dense path's sums come out the same."""
+  valid = (ids_M >= 0) & (ids_M < num_rows)
+  uniq_U, inv_M = jnp.unique(jnp.where(valid, ids_M, num_rows), size=ids_M.shape[0], fill_value=num_rows,
+                             return_inverse=True)
+  inv_M = jnp.reshape(inv_M, (-1,))
+  g_MxE = jnp.where(valid[:, None], g_MxE, 0)
+  bounds = list(itertools.accumulate(parts or (ids_M.shape[0],), initial=0))
+  g_UxE = None
+  for lo, hi in reversed(list(zip(bounds[:-1], bounds[1:]))):
+    part = jnp.zeros_like(g_MxE).at[inv_M[lo:hi]].add(g_MxE[lo:hi])
+    g_UxE = part if g_UxE is None else g_UxE + part
+  return uniq_U, g_UxE
+
+
+def _apply_rows(rule, block_VxE, slots, uniq_U, g_UxE, write_U, count):
+  """The rule on the rows `uniq_U` of this block, scattered back where write_U (in place when donated)."""
+  num_rows = block_VxE.shape[0]
+  safe_U = jnp.where(uniq_U < num_rows, uniq_U, 0)
+  rows_UxE = block_VxE[safe_U]
+  u_UxE, new_slots = rule.update_rows(g_UxE, tuple(s[safe_U] for s in slots), count)
+  new_rows = (rows_UxE + u_UxE).astype(block_VxE.dtype)  # optax.apply_updates' arithmetic, as the dense path
+  index_U = jnp.where(write_U, uniq_U, num_rows)          # out of range: mode="drop" writes nothing
+  block_VxE = block_VxE.at[index_U].set(new_rows, mode="drop")
+  slots = tuple(s.at[index_U].set(n.astype(s.dtype), mode="drop") for s, n in zip(slots, new_slots))
+  return block_VxE, slots
+
+
+def dense_sync(num_rows: int, dim: int, ids: int, copies: int) -> bool:
+  """The size rule for a table replicated over `copies` devices of the data axes: a ring all-reduce of its
+  V x E gradient (2 (n - 1) / n V E words per device) when that is no more than all-gathering every copy's
+  touched rows with their ids ((n - 1) U (E + 1) words, U = ids read per device)."""
+  if copies <= 1:
+    return False
+  return 2 * num_rows * dim / copies <= ids * (dim + 1)
+
+
+def update_tables(rule, p, names, blocks, slots, ids_by_call, cots_by_call, calls, capacities, finite, count,
+                  num_rows):
+  """The update stage on one device (module docstring): -> (blocks, slots, table gradient sq-norm, stats).
+
+  blocks / slots: this device's block of each table and of each of its slots; ids_by_call / cots_by_call:
+  this device's ids and row cotangents per lookup call; finite: the dense side's verdict (loss and dense
+  gradient finite); num_rows: global rows per table."""
+  mesh = p.mesh
+  active = spmd.active_axes(mesh)
+  copy_ct = spmd.active_axes(mesh, COPY_AXES)
+  merged, sq, stats = {}, jnp.zeros((), jnp.float32), {}
+  for t, name in enumerate(names):
+    mine = [i for i, (table, _) in enumerate(calls) if table == name]
+    if not mine:
+      merged[name] = None
+      continue
+    ids_N = jnp.concatenate([ids_by_call[i] for i in mine])
+    g_NxE = jnp.concatenate([cots_by_call[i] for i in mine]).astype(jnp.float32)
+    if copy_ct:
+      g_NxE = jax.lax.psum(g_NxE, copy_ct)
+    v = num_rows[name]
+    uniq_U, g_UxE = _merge_rows(ids_N, g_NxE, v, tuple(calls[i][1] for i in mine))
+    unique = jnp.sum(uniq_U < v, dtype=jnp.int32).astype(jnp.float32)
+    # Per data shard (devices along context / tensor hold the same shard: counted once).
+    stats[f"emb/{name}/unique"] = ((jax.lax.psum(unique, active) if active else unique)
+                                   / (math.prod(mesh.shape[a] for a in copy_ct) * p.num_data_shards))
+    own = spmd.active_axes(mesh, p.table_axes.get(name, ()))
+    block = blocks[t]
+    if own:
+      ids_M, g_MxE, st = sparse.send_to_owners(uniq_U, g_UxE, axes=own, num_rows=v,
+                                               capacity=capacities.get(f"{name}/*", ids_N.shape[0]),
+                                               uniform_axes=active)
+      stats[f"emb/{name}/grad_overflow"] = st["overflow"]
+      local_rows = block.shape[0]
+    else:
+      ids_M, g_MxE, local_rows = uniq_U, g_UxE, v
+    copies = tuple(a for a in spmd.active_axes(mesh, DATA_AXES) if a not in own)
+    n_copies = math.prod(mesh.shape[a] for a in copies)
+    if not own and not copies:  # one device, or a table only context / tensor copies share: merged already
+      touched_U = (uniq_U < v) & jnp.any(g_UxE != 0, axis=1)
+      sq = sq + jnp.sum(jnp.square(g_UxE))
+      stats[f"emb/{name}/touched"] = jnp.sum(touched_U, dtype=jnp.int32)
+      merged[name] = ("rows", uniq_U, g_UxE, touched_U)
+      continue
+    if copies and not own and dense_sync(v, block.shape[1], ids_N.shape[0], n_copies):
+      grad_VxE = jax.lax.psum(jnp.zeros(block.shape, jnp.float32).at[jnp.where(ids_M < v, ids_M, v)].add(
+          g_MxE, mode="drop"), copies)
+      sq = sq + jnp.sum(jnp.square(grad_VxE))
+      merged[name] = ("dense", grad_VxE)
+      continue
+    if copies:
+      ids_M = jax.lax.all_gather(ids_M, copies, axis=0, tiled=True)
+      g_MxE = jax.lax.all_gather(g_MxE, copies, axis=0, tiled=True)
+    uniq_R, g_RxE = _merge_rows(ids_M, g_MxE, local_rows)
+    touched_R = (uniq_R < local_rows) & jnp.any(g_RxE != 0, axis=1)
+    part_sq = jnp.sum(jnp.square(g_RxE))
+    touched = jnp.sum(touched_R, dtype=jnp.int32)
+    # Each owner holds its own rows once; copies computed the same sums.
+    sq = sq + (jax.lax.psum(part_sq, own) if own else part_sq)
+    stats[f"emb/{name}/touched"] = jax.lax.psum(touched, own) if own else touched
+    merged[name] = ("rows", uniq_R, g_RxE, touched_R)
+  finite = finite & jnp.isfinite(sq)
+  new_blocks, new_slots = list(blocks), [list(s) for s in slots]
+  for t, name in enumerate(names):
+    m = merged[name]
+    if m is None:
+      continue
+    own_slots = tuple(s[t] for s in slots)
+    if m[0] == "dense":
+      u, out = rule.dense_update(m[1].astype(blocks[t].dtype), own_slots, count)
+      keep = lambda new, old: jnp.where(finite, new, old)
+      new_blocks[t] = keep((blocks[t] + u).astype(blocks[t].dtype), blocks[t])
+      out = tuple(keep(n, o) for n, o in zip(out, own_slots))
+    else:
+      _, uniq_R, g_RxE, touched_R = m
+      new_blocks[t], out = _apply_rows(rule, blocks[t], own_slots, uniq_R, g_RxE.astype(blocks[t].dtype),
+                                       touched_R & finite, count)
+    for k in range(len(slots)):
+      new_slots[k][t] = out[k]
+  return new_blocks, [list(s) for s in new_slots], sq, finite, stats
+
+
+def device_spec(mesh) -> P:
+  """Arrays with one slice per device (sinks, ids, cotangents): leading dim over every active axis."""
+  active = spmd.active_axes(mesh)
+  return P(active) if active else P()
+
+
+def make_step(graphdef, rest, optimizer, task, p, state, capacities, *, global_norm, guarded_keep):
+  """train_step(state, batch) -> (state, metrics) of the sparse engine (module docstring); the same contract
+  as step.make_train_step's dense path."""
+  from gem_jax.run.step import TrainState  # the step module owns the state type
+
+  mesh = p.mesh
+  tables0, dense0 = nnx.split_state(state.params, Table, ...)
+  names = table_names(tables0)
+  num_rows = {n: int(v.get_value().shape[0]) for n, v in zip(names, jax.tree_util.tree_leaves(tables0, is_leaf=_is_var))}
+  dims = {n: int(v.get_value().shape[1]) for n, v in zip(names, jax.tree_util.tree_leaves(tables0, is_leaf=_is_var))}
+  dtypes = {n: v.get_value().dtype for n, v in zip(names, jax.tree_util.tree_leaves(tables0, is_leaf=_is_var))}
+  table_specs, dense_specs = spmd_specs(p, tables0), spmd_specs(p, dense0)
+  all_specs = spmd_specs(p, state.params)
+  dev = device_spec(mesh)
+  devices = math.prod(mesh.shape[a] for a in spmd.active_axes(mesh))
+  batch_spec = spmd.data_spec(mesh)
+  rule = optimizer.rule
+
+  def loss_body(calls, dense, tables, sinks, batch, dropout_rng):
+    stats, recorded = {}, []
+    with spmd.installed(p, capacities, stats):
+      lookup = sink_lookup(runtime.current().lookup, calls, [s[0] for s in sinks], recorded)
+      with runtime.using(lookup=lookup):
+        model = spmd.merge(graphdef, rest, nnx.merge_state(dense, tables), all_specs, mesh)
+        sums = task.sums(model, spmd.local(batch), spmd.device_key(dropout_rng, p))
+    loss, metrics = task.loss({k: spmd.total(v, mesh) for k, v in sums.items()})
+    return loss, ({**metrics, **spmd.stat_metrics(stats, p)}, [ids[None] for ids in recorded])
+
+  def update_body(calls, blocks, slots, ids, cots, finite, count):
+    out = update_tables(rule, p, names, [b for b in blocks], [list(s) for s in slots], [i[0] for i in ids],
+                        [c[0] for c in cots], calls, capacities, finite, count, num_rows)
+    return out
+
+  def train_step(st: TrainState, batch):
+    tables, dense = nnx.split_state(st.params, Table, ...)
+    local = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
+    calls = lookup_calls(graphdef, rest, task, st.params, local)
+    sinks = [jnp.zeros((devices, n, dims[t]), dtypes[t]) for t, n in calls]
+    sharded = jax.shard_map(lambda d, t, s, b, r: loss_body(calls, d, t, s, b, r), mesh=mesh,
+                            in_specs=(dense_specs, table_specs, [dev] * len(calls), batch_spec, P()),
+                            out_specs=(P(), (P(), [dev] * len(calls))))
+    dropout_rng = jax.random.fold_in(st.rng, st.step)
+    (loss, (aux, ids)), (g_dense, g_sinks) = jax.value_and_grad(sharded, argnums=(0, 2), has_aux=True)(
+        dense, tables, sinks, batch, dropout_rng)
+    dense_sq = jnp.square(global_norm(g_dense))
+    finite = jnp.isfinite(loss) & jnp.isfinite(dense_sq)
+    table_state = optimizer.table_state(st.opt_state)
+    flat_blocks = [v.get_value() for v in jax.tree_util.tree_leaves(tables, is_leaf=_is_var)]
+    slot_leaves = [jax.tree_util.tree_leaves(s, is_leaf=_is_var) for s in table_state.slots]
+    flat_slots = [[v.get_value() for v in leaves] for leaves in slot_leaves]
+    block_specs = jax.tree_util.tree_leaves(table_specs, is_leaf=lambda x: isinstance(x, P))
+    slot_specs = [jax.tree_util.tree_leaves(spmd_specs(p, s), is_leaf=lambda x: isinstance(x, P))
+                  for s in table_state.slots]
+    update = jax.shard_map(lambda b, s, i, c, f, k: update_body(calls, b, s, i, c, f, k), mesh=mesh,
+                           in_specs=(block_specs, slot_specs, [dev] * len(calls), [dev] * len(calls), P(), P()),
+                           out_specs=(block_specs, slot_specs, P(), P(), P()),
+                           # Copies of a block end equal by construction (every copy merges the same rows),
+                           # which vma types cannot express: an all-gather's result still counts as varying.
+                           check_vma=False)
+    with jax.named_scope("embedding_update"):  # HLO op names say which collectives the update runs
+      blocks, slots, table_sq, finite, stats = update(flat_blocks, flat_slots, ids, g_sinks, finite,
+                                                       table_state.count)
+    # Dense side: optax on the dense gradients only (table leaves are masked out, whatever they hold).
+    updates, dense_state = optimizer.dense.update(nnx.merge_state(g_dense, tables),
+                                                  optimizer.dense_state(st.opt_state), st.params)
+    _, dense_updates = nnx.split_state(updates, Table, ...)
+    new_dense = guarded_keep(finite, optax.apply_updates(dense, dense_updates), dense)
+    dense_state = guarded_keep(finite, dense_state, optimizer.dense_state(st.opt_state))
+    # A Variable is a pytree node over its value: the structures' leaves are the arrays themselves.
+    new_tables = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tables), blocks)
+    new_slots = tuple(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(s), bs)
+                      for s, bs in zip(table_state.slots, slots))
+    new_table_state = table_state._replace(slots=new_slots, count=table_state.count + finite.astype(jnp.int32))
+    opt_state = optimizer.with_parts(st.opt_state, dense_state, new_table_state)
+    params = nnx.merge_state(new_dense, new_tables)
+    metrics = {"loss": loss, "grad_norm": jnp.sqrt(dense_sq + table_sq), "nonfinite": (~finite).astype(jnp.int32),
+               **aux, **stats}
+    return TrainState(params, opt_state, st.step + 1, st.rng), metrics
+
+  return train_step
+
+
+def spmd_specs(p, tree):
+  return jax.tree_util.tree_map(lambda s: spmd.active_spec(s, p.mesh), p.tree_specs(tree),
+                                is_leaf=lambda x: isinstance(x, P))
