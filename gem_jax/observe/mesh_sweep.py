@@ -15,7 +15,8 @@ mesh. Per mesh (`sweep_one`):
   comm.context_parallel_bytes  the gathers of keys, values and outputs of context-parallel HSTU layers
   embedding              all-to-all bytes of the lookups (forward, and backward), the ideal bytes (distinct
                          remote ids out + their rows back, per device, from the step's own counts) and
-                         embedding_comm_ratio = forward bytes / ideal
+                         embedding_comm_ratio = forward bytes / ideal; with the sparse engine
+                         (train.embedding_update=sparse) table_sync_bytes, the collectives of its update
 """
 
 from __future__ import annotations
@@ -67,7 +68,10 @@ def sweep_one(path: str, cfg, batches, *, capacity_slack: float = 1.05, capacity
   bwd = [c for c in lookup if "transpose(" in c.op_name and not c.conditional]
   tensor_parallel = hlo.select(colls, op_name_contains="tensor_parallel")
   context_parallel = hlo.select(colls, op_name_contains="context_parallel")
-  other = [c for c in colls if c not in lookup and c not in tensor_parallel and c not in context_parallel]
+  # The sparse engine's row-gradient sync (gem_jax/run/table_update.py): apart from parameter traffic.
+  table_sync = hlo.select(colls, op_name_contains="embedding_update")
+  other = [c for c in colls if c not in lookup and c not in tensor_parallel and c not in context_parallel
+           and c not in table_sync]
   params_like = [c for c in other if not _is_scalar_collective(c)]
   # Lookup calls ("table/N"), each with its table's row width.
   calls = {c: spec.table(c.rsplit("/", 1)[0]).dim for c in run.capacities}
@@ -86,7 +90,9 @@ def sweep_one(path: str, cfg, batches, *, capacity_slack: float = 1.05, capacity
   fwd_bytes = moved(fwd) + sum(fallback_fwd.values())
   analytic = spmd.analytic_comm(run.plan, params_host)
   measured_params = moved(params_like)
-  expected_params = analytic["dense_total"] + analytic["table_grad_sync"]
+  sparse_engine = cfg.train.embedding_update == "sparse"
+  # The sparse engine never all-reduces a table: its parameter traffic is the dense HSDP volume alone.
+  expected_params = analytic["dense_total"] + (0.0 if sparse_engine else analytic["table_grad_sync"])
   return {
       "mesh": mesh_spec.name,
       "axes": dict(mesh_spec.axes),
@@ -120,6 +126,10 @@ def sweep_one(path: str, cfg, batches, *, capacity_slack: float = 1.05, capacity
           "fallback_bytes": fallback_fwd,
           "fallback_rates": ran,
           "all_gathers_in_lookup": sum(1 for c in lookup if c.kind == "all-gather"),
+          # The sparse engine's update: row gradients to their owners and across copies (static buffer
+          # sizes; a fallback round's bytes are in the total as if it ran).
+          "table_sync_bytes": moved(table_sync) if sparse_engine else None,
+          "table_sync_by_kind": hlo.summarize(table_sync)["by_kind"] if sparse_engine else None,
           "table_axes": {t: list(a) for t, a in run.plan.table_axes.items()},
       },
   }
