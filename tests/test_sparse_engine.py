@@ -196,3 +196,13 @@ def test_row_gradients_reach_their_owner_through_every_round():
   assert keep.sum() == 4 * n
   for d in (0, 2, 3):
     assert np.all(got_ids[d] == -1)
+
+
+def test_the_embedding_benchmark_counts_distinct_rows_and_its_ids_are_skewed():
+  from gem_jax.bench import embeddings
+  rng = np.random.default_rng(0)
+  flat, skewed = (np.unique(embeddings.zipf_ids(rng, 4096, 10_000, a)).size for a in (0.8, 1.2))
+  assert 0 < skewed < flat <= 4096
+  r = embeddings.update_rows_per_s(rows=10_000, dim=8, ids=1024, a=1.0, reps=2)
+  assert r["unique_rows"] == np.unique(embeddings.zipf_ids(np.random.default_rng(0), 1024, 10_000, 1.0)).size
+  assert r["median_ms"] > 0 and r["unique_rows_per_s"] == pytest.approx(r["unique_rows"] / (r["median_ms"] / 1e3))

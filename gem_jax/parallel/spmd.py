@@ -83,6 +83,11 @@ def active_spec(spec: P, mesh) -> P:
   return P(*(entry(e) for e in spec))
 
 
+def step_specs(p: Plan, tree):
+  """The shard_map specs of `tree` (parameters, optimizer state): its placement's specs without size-1 axes."""
+  return jax.tree_util.tree_map(lambda s: active_spec(s, p.mesh), p.tree_specs(tree), is_leaf=lambda x: isinstance(x, P))
+
+
 def data_spec(mesh) -> P:
   """The spec of a sharded batch's leading (data-shard) dim inside the step."""
   axes = active_axes(mesh, DATA_AXES)

@@ -66,12 +66,6 @@ def guarded_update(optimizer: optax.GradientTransformation, state: TrainState, l
   return TrainState(params, opt_state, state.step + 1, state.rng), metrics
 
 
-def _step_specs(p: Plan, tree):
-  """The shard_map specs of `tree`: its placement's specs without size-1 axes (spmd module docstring)."""
-  return jax.tree_util.tree_map(lambda s: spmd.active_spec(s, p.mesh), p.tree_specs(tree),
-                                is_leaf=lambda x: isinstance(x, P))
-
-
 def _keep(finite, new, old):
   # Element-wise selects that XLA fuses into the update's own loops: no extra pass over the parameters.
   return jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
@@ -98,7 +92,7 @@ def make_train_step(graphdef, rest, optimizer, task, p: Plan, state: TrainState,
                                          global_norm=global_norm, guarded_keep=_keep)
     return jax.jit(sparse_step, in_shardings=(shardings, NamedSharding(p.mesh, P(DATA_AXES))),
                    out_shardings=(shardings, NamedSharding(p.mesh, P())), donate_argnums=0)
-  param_specs = _step_specs(p, state.params)
+  param_specs = spmd.step_specs(p, state.params)
   batch_spec = spmd.data_spec(p.mesh)
 
   def body(params, batch, dropout_rng):
@@ -124,7 +118,7 @@ def make_train_step(graphdef, rest, optimizer, task, p: Plan, state: TrainState,
 def make_eval_step(graphdef, rest, task, p: Plan, params, capacities: dict[str, int] | None = None) -> Callable:
   """eval_step(params, sharded batch) -> task.predict per example, (S, b, ...) in the batch's shard order."""
   capacities = dict(capacities or {})
-  param_specs = _step_specs(p, params)
+  param_specs = spmd.step_specs(p, params)
 
   def body(params, batch):
     with spmd.installed(p, capacities, {}):

@@ -237,11 +237,12 @@ def make_step(graphdef, rest, optimizer, task, p, state, capacities, *, global_n
   mesh = p.mesh
   tables0, dense0 = nnx.split_state(state.params, Table, ...)
   names = table_names(tables0)
-  num_rows = {n: int(v.get_value().shape[0]) for n, v in zip(names, jax.tree_util.tree_leaves(tables0, is_leaf=_is_var))}
-  dims = {n: int(v.get_value().shape[1]) for n, v in zip(names, jax.tree_util.tree_leaves(tables0, is_leaf=_is_var))}
-  dtypes = {n: v.get_value().dtype for n, v in zip(names, jax.tree_util.tree_leaves(tables0, is_leaf=_is_var))}
-  table_specs, dense_specs = spmd_specs(p, tables0), spmd_specs(p, dense0)
-  all_specs = spmd_specs(p, state.params)
+  values = dict(zip(names, (v.get_value() for v in jax.tree_util.tree_leaves(tables0, is_leaf=_is_var))))
+  num_rows = {n: int(x.shape[0]) for n, x in values.items()}
+  dims = {n: int(x.shape[1]) for n, x in values.items()}
+  dtypes = {n: x.dtype for n, x in values.items()}
+  table_specs, dense_specs = spmd.step_specs(p, tables0), spmd.step_specs(p, dense0)
+  all_specs = spmd.step_specs(p, state.params)
   dev = device_spec(mesh)
   devices = math.prod(mesh.shape[a] for a in spmd.active_axes(mesh))
   batch_spec = spmd.data_spec(mesh)
@@ -258,9 +259,8 @@ def make_step(graphdef, rest, optimizer, task, p, state, capacities, *, global_n
     return loss, ({**metrics, **spmd.stat_metrics(stats, p)}, [ids[None] for ids in recorded])
 
   def update_body(calls, blocks, slots, ids, cots, finite, count):
-    out = update_tables(rule, p, names, [b for b in blocks], [list(s) for s in slots], [i[0] for i in ids],
-                        [c[0] for c in cots], calls, capacities, finite, count, num_rows)
-    return out
+    return update_tables(rule, p, names, blocks, slots, [i[0] for i in ids], [c[0] for c in cots], calls,
+                         capacities, finite, count, num_rows)
 
   def train_step(st: TrainState, batch):
     tables, dense = nnx.split_state(st.params, Table, ...)
@@ -280,7 +280,7 @@ def make_step(graphdef, rest, optimizer, task, p, state, capacities, *, global_n
     slot_leaves = [jax.tree_util.tree_leaves(s, is_leaf=_is_var) for s in table_state.slots]
     flat_slots = [[v.get_value() for v in leaves] for leaves in slot_leaves]
     block_specs = jax.tree_util.tree_leaves(table_specs, is_leaf=lambda x: isinstance(x, P))
-    slot_specs = [jax.tree_util.tree_leaves(spmd_specs(p, s), is_leaf=lambda x: isinstance(x, P))
+    slot_specs = [jax.tree_util.tree_leaves(spmd.step_specs(p, s), is_leaf=lambda x: isinstance(x, P))
                   for s in table_state.slots]
     update = jax.shard_map(lambda b, s, i, c, f, k: update_body(calls, b, s, i, c, f, k), mesh=mesh,
                            in_specs=(block_specs, slot_specs, [dev] * len(calls), [dev] * len(calls), P(), P()),
@@ -309,8 +309,3 @@ def make_step(graphdef, rest, optimizer, task, p, state, capacities, *, global_n
     return TrainState(params, opt_state, st.step + 1, st.rng), metrics
 
   return train_step
-
-
-def spmd_specs(p, tree):
-  return jax.tree_util.tree_map(lambda s: spmd.active_spec(s, p.mesh), p.tree_specs(tree),
-                                is_leaf=lambda x: isinstance(x, P))
