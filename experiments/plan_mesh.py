@@ -29,17 +29,20 @@ def main(argv=None) -> dict:
   p.add_argument("--mean-history", type=float, default=None, help="one history length for every row")
   p.add_argument("--overlap", type=float, default=0.9, help="share of compute parameter traffic hides behind")
   p.add_argument("--efficiency", type=float, default=0.5, help="share of peak FLOP/s the compute reaches")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="config override, e.g. train.embedding_update=sparse")
   p.add_argument("--max-tensor", type=int, default=8)
   p.add_argument("--max-context", type=int, default=8)
   args = p.parse_args(argv)
 
   from gem_jax import configs
+  from gem_jax.config import apply_overrides
   from gem_jax.observe import cluster_text, plan as plan_lib
 
   command = "python experiments/plan_mesh.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
   try:  # bad input: a usage error that names it, not a traceback
     return cluster_text.plan_mesh(
-        configs.get(args.config), args.devices, plan_lib.get_preset(args.hardware), baseline_paths=args.baseline_mesh,
+        apply_overrides(configs.get(args.config), args.set), args.devices, plan_lib.get_preset(args.hardware), baseline_paths=args.baseline_mesh,
         out_mesh=args.out_mesh, json_path=args.json, top=args.top, command=command, batch_size=args.batch_size,
         mean_history=args.mean_history, overlap=args.overlap, efficiency=args.efficiency,
         max_tensor=args.max_tensor, max_context=args.max_context)

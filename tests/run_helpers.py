@@ -27,7 +27,7 @@ def tiny(*sets: str, **named):
 # per session, whichever worker asks first): the single-process reference of the multi-process run, a user's
 # cpu_8 efficiency report, and the checkpoint the resharding restore reads on other meshes.
 CPU8_SETS = {"train.steps": 8, "train.warmup_steps": 1, "train.log_every": 1, "train.eval_every": 4,
-             "train.checkpoint_every": 4, "train.eval_examples": 2048}
+             "train.checkpoint_every": 4, "train.eval_examples": 512}
 
 
 def tiny_cpu8_config():

@@ -46,7 +46,8 @@ def whole_tables(p: Plan, s: Scored) -> list[str]:
 
 def _tables_text(p: Plan, s: Scored) -> str:
   whole = whole_tables(p, s)
-  text = f"table-gradient all-reduce {s.table_sync_bytes / GB:.2f} GB"
+  what = "table row sync (sparse engine)" if s.sparse_engine else "table-gradient all-reduce"
+  text = f"{what} {s.table_sync_bytes / GB:.2f} GB"
   if whole:
     text += f" ({', '.join(whole)} kept whole: rows do not divide over {s.table_shards} shards)"
   return text
@@ -168,7 +169,11 @@ def to_yaml(p: Plan, s: Scored, name: str, command: str = "") -> str:
   rows = " x ".join(lay.table_rows) or "nothing"
   shape = s.mesh_spec.shape
   copies = [a for a in MESH_AXES if a not in lay.table_rows and shape[a] > 1]
-  if s.table_sync_bytes <= 1e-3 * GB:
+  if s.sparse_engine:
+    out.append(f"# Table rows over {rows} = {s.table_shards} shards; the sparse engine sends each touched row's "
+               f"gradient to its owner and across the block's copies ({', '.join(copies) or 'none'}):")
+    out.append(f"# {s.table_sync_bytes / GB:.3f} GB per device and step.")
+  elif s.table_sync_bytes <= 1e-3 * GB:
     out.append(f"# Table rows over {rows} = {s.table_shards} shards: every device owns its own rows, so no row "
                "block's gradient is all-reduced.")
   else:

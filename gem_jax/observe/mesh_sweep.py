@@ -91,6 +91,18 @@ def sweep_one(path: str, cfg, batches, *, capacity_slack: float = 1.05, capacity
   analytic = spmd.analytic_comm(run.plan, params_host)
   measured_params = moved(params_like)
   sparse_engine = cfg.train.embedding_update == "sparse"
+  # Later rounds run per table: each conditional collective is charged on the fraction of steps its
+  # table's round of that kind ran (a spill round, or one of the rounds after it).
+  sync_tables = sorted({k.split("/")[1] for k in (stats[0] if stats else {}) if k.endswith("/sync_spill")})
+  rate = lambda t, kind: float(np.mean([st[f"emb/{t}/sync_{kind}"] > 0 for st in stats]))
+  sync_rates = {t: {kind: rate(t, kind) for kind in ("spill", "rest")} for t in sync_tables}
+  sync_rate = float(np.mean([any(st[f"emb/{t}/sync_{kind}"] > 0 for t in sync_tables for kind in ("spill", "rest"))
+                             for st in stats])) if stats else 0.0
+  kind_of = lambda c: "spill" if "/spill/" in c.op_name else "rest"
+  sync_bytes = (moved([c for c in table_sync if not c.conditional])
+                + sum(sync_rates[t][kind_of(c)] * c.moved_bytes * c.count for t in sync_tables
+                      for c in table_sync if c.conditional and f"table={t}/" in c.op_name))
+  sync_ideal = float(np.mean([sum(v for k, v in st.items() if k.endswith("/sync_ideal_bytes")) for st in stats]))
   # The sparse engine never all-reduces a table: its parameter traffic is the dense HSDP volume alone.
   expected_params = analytic["dense_total"] + (0.0 if sparse_engine else analytic["table_grad_sync"])
   return {
@@ -126,9 +138,14 @@ def sweep_one(path: str, cfg, batches, *, capacity_slack: float = 1.05, capacity
           "fallback_bytes": fallback_fwd,
           "fallback_rates": ran,
           "all_gathers_in_lookup": sum(1 for c in lookup if c.kind == "all-gather"),
-          # The sparse engine's update: row gradients to their owners and across copies (static buffer
-          # sizes; a fallback round's bytes are in the total as if it ran).
-          "table_sync_bytes": moved(table_sync) if sparse_engine else None,
+          # The sparse engine's update: row gradients summed over copies, sent to their owners and gathered
+          # across the table's copies; a second round (inside a conditional) is charged on the fraction of
+          # steps some table's ran, against the ideal of exactly the touched rows (table_update.py).
+          "table_sync_bytes": sync_bytes if sparse_engine else None,
+          "table_sync_ideal_bytes": sync_ideal if sparse_engine else None,
+          "table_sync_ratio": sync_bytes / sync_ideal if sparse_engine and sync_ideal else None,
+          "table_sync_fallback_rate": sync_rate if sparse_engine else None,
+          "table_sync_fallback_rates": sync_rates if sparse_engine else None,
           "table_sync_by_kind": hlo.summarize(table_sync)["by_kind"] if sparse_engine else None,
           "table_axes": {t: list(a) for t, a in run.plan.table_axes.items()},
       },
@@ -163,6 +180,12 @@ def table(result: dict) -> str:
                  f"{r['step_time_s_median']:7.3f} {peak:8.2f} {d['measured_bytes'] / 1e6:9.3f} "
                  f"{d['analytic_bytes'] / 1e6:9.3f} {fmt(d['ratio'], 6, 3)} {e['forward_all_to_all_bytes'] / 1e3:10.1f} "
                  f"{e['ideal_bytes'] / 1e3:9.1f} {fmt(e['embedding_comm_ratio'], 9, 3)}")
+  for r in result["meshes"]:
+    e = r["embedding"]
+    if e.get("table_sync_bytes") is not None:
+      lines.append(f"{r['mesh']}: table sync {e['table_sync_bytes'] / 1e3:.1f} KB per device and step, ideal "
+                   f"{e['table_sync_ideal_bytes'] / 1e3:.1f} KB (ratio {fmt(e['table_sync_ratio'], 5, 3).strip()}), "
+                   f"second rounds on {e['table_sync_fallback_rate']:.0%} of steps")
   for r in result["meshes"]:
     lines.append(f"{r['mesh']}: bytes by axis {json.dumps({k: round(v) for k, v in r['comm']['by_axis'].items()})}")
   return "\n".join(lines)

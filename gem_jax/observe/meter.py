@@ -270,27 +270,39 @@ def quiet_window(first: int, length: int, busy_every: tuple[int, ...]) -> int:
   return next((start for start in range(first, first + max(periods)) if not busy(start)), first)
 
 
-def one_device_baseline(run, per_device_batch: int, peak_flops: float, steps: int = 5) -> dict:
+def one_device_baseline(run, per_device_batch: int, peak_flops: float, steps: int = 5, *, state=None,
+                        flop_model=None) -> dict:
   """Step time of the same config at `per_device_batch` rows on one device (the first), for local MFU and
-  scaling efficiency: built, compiled, warmed up once, then the median of `steps` blocked steps, all on the
+  scaling efficiency: compiled, warmed up once, then the median of `steps` blocked steps, all on the
   source's first batch (one batch shape, so one compile: the history buckets of later batches would each
-  compile their own program, ~5 s apiece on the test suite's flags)."""
+  compile their own program, ~5 s apiece on the test suite's flags).
+
+  state: the mesh run's train state, copied to the one device (the baseline is then built abstractly:
+  nothing is initialized or compiled but its train step); default, or when another process holds part of
+  it: a fresh one-device build.
+  flop_model: the mesh run's flops.FlopModel (a model's FLOPs per row do not depend on the mesh)."""
   from gem_jax.run.build import build
 
   cfg = run.cfg
   one = dataclasses.replace(cfg, mesh=None, data=_with_batch_size(cfg.data, per_device_batch))
+  if state is not None and not all(getattr(x, "is_fully_addressable", True) for x in jax.tree_util.tree_leaves(state)):
+    state = None  # another process holds part of it
   with jax.default_device(jax.devices()[0]):
-    single = build(one, devices=jax.devices()[:1])
+    single = build(one, devices=jax.devices()[:1], abstract=state is not None)
+    if state is not None:
+      state = jax.tree_util.tree_map(lambda x, like: jax.device_put(x, like.sharding), state, single.state)
+    else:
+      state = single.state
     batch = next(single.source.train_iterator())
     device_batch = single.device_batch(batch)
-    state, times = single.state, []
+    times = []
     for i in range(steps + 1):
       t = time.perf_counter()
       state, m = single.train_step(state, device_batch)
       jax.block_until_ready(m)
       if i:
         times.append(time.perf_counter() - t)
-    model_flops = flops.FlopModel(single).train(single.source.lengths(batch))
+    model_flops = (flop_model or flops.FlopModel(single)).train(single.source.lengths(batch))
   return {"step_time_s": statistics.median(times), "model_flops_per_step": model_flops,
           "examples_per_step": per_device_batch, "peak_flops_per_device": peak_flops, "steps": steps}
 

@@ -260,8 +260,16 @@ class Scored:
     return math.prod(self.layout.sizes[MESH_AXES.index(a)] for a in self.layout.table_rows)
 
   @property
+  def sparse_engine(self) -> bool:
+    return self.sim.get("embedding_update") == "sparse"
+
+  @property
   def table_sync_bytes(self) -> float:
-    """The all-reduce of the table blocks' gradients over the axes that hold copies, per device and step."""
+    """What keeps the tables' copies in sync, per device and step: the sparse engine's update collectives
+    (their touched rows), or the dense path's all-reduce of the table blocks' gradients over the axes that
+    hold copies."""
+    if self.sparse_engine:
+      return self.sim["comm"]["parts"]["embedding_update"]["total"]
     return self.sim["comm"]["analytic_params"]["table_grad_sync"]
 
 
@@ -281,10 +289,12 @@ def tables_of(shapes: sim_lib.ModelShapes) -> dict[str, tuple[int, float]]:
   return out
 
 
-def table_memory_bound(tables: dict[str, tuple[int, float]], shards: int) -> float:
-  """A lower bound of the memory per device: each table's row block and its gradient (a table whose rows
-  do not divide over `shards` stays whole, as spmd.plan keeps it)."""
-  return sum(2 * w / (shards if rows % shards == 0 else 1) for rows, w in tables.values())
+def table_memory_bound(tables: dict[str, tuple[int, float]], shards: int, sparse_engine: bool = False) -> float:
+  """A lower bound of the memory per device: each table's row block, and its gradient unless the sparse
+  engine updates it (no table-sized gradient exists then); a table whose rows do not divide over `shards`
+  stays whole, as spmd.plan keeps it."""
+  copies = 1 if sparse_engine else 2
+  return sum(copies * w / (shards if rows % shards == 0 else 1) for rows, w in tables.values())
 
 
 @dataclasses.dataclass
@@ -350,7 +360,8 @@ def plan(cfg, devices: int, hardware: str | Preset = "h200", *, batch_size: int 
   for sizes in sizes_list:
     for rows in table_rules(sizes):
       counts["sizes_and_rules"] += 1
-      if table_memory_bound(tables, math.prod(sizes[MESH_AXES.index(a)] for a in rows)) > hbm:
+      if table_memory_bound(tables, math.prod(sizes[MESH_AXES.index(a)] for a in rows),
+                            cfg.train.embedding_update == "sparse") > hbm:
         counts["pruned_tables_exceed_hbm"] += 1
         continue
       splits = node_splits(sizes, preset.devices_per_node)

@@ -17,6 +17,13 @@ Bytes per device per train step, in the key format of gem_jax/observe/hlo.summar
   embedding        per lookup call of a row-sharded table (parallel/sparse.py round 1): a [P, C] int32 id
                    buffer and a [P, C, E] row buffer forward, the [P, C, E] row cotangents backward. The
                    fallback rounds (lax.cond, rarely run) are not counted.
+  embedding_update with train.embedding_update = "sparse" (gem_jax/run/table_update.py) in place of the
+                   tables' gradient all-reduce and the lookups' backward: per table, an all-reduce of C_u
+                   summed f32 rows over context x tensor, the (id, row) all-to-all of C_o slots per owner,
+                   and the all-gather over the table's copies of C_r received rows (C_u rows for a
+                   replicated table, or its V x E all-reduce where table_update.dense_sync says so). The
+                   slots are lookups.sync_capacities' on the sample shards, extrapolated as C below when
+                   the mesh has more data shards than samples. Spill rounds are not counted.
   tensor_parallel  every row-parallel layer psums its f32 output over `tensor` (HSTU output T x D and its
                    norm's two T x 1 statistics, Wukong's FM MLP output b x n_f E, the heads' towers b x R x
                    G); the backward has one all-reduce of the same size.
@@ -224,6 +231,7 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
   params = shapes.params
   p = spmd.plan(params, types.SimpleNamespace(shape=shape), mesh_spec)
   comm = _Comm(shape)
+  sparse_engine = cfg.train.embedding_update == "sparse"
 
   # Parameters: per leaf for the axis split; totals must equal spmd.analytic_comm.
   specs = p.tree_specs(params)
@@ -233,7 +241,8 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
     own = {a for e in ps if e is not None for a in ((e,) if isinstance(e, str) else e)}
     n_s = math.prod(shape[a] for a in own)
     rest = [a for a in MESH_AXES if a not in own]
-    comm.ring("params", "all-reduce", rest, w / n_s)
+    if not (sparse_engine and isinstance(var, spmd.embeddings_lib.Table)):
+      comm.ring("params", "all-reduce", rest, w / n_s)
     if not isinstance(var, spmd.embeddings_lib.Table):
       n_t = t if spmd.TP_AXIS in own else 1
       gather = [a for a in own if a != spmd.TP_AXIS]
@@ -241,7 +250,8 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
       comm.ring("params", "reduce-scatter", gather, w / n_t)
   analytic = spmd.analytic_comm(p, params)
   mine = comm.summary("params")
-  if not math.isclose(mine["total"], analytic["dense_total"] + analytic["table_grad_sync"], rel_tol=1e-6):
+  if not math.isclose(mine["total"], analytic["dense_total"] + (0.0 if sparse_engine else analytic["table_grad_sync"]),
+                      rel_tol=1e-6):
     raise AssertionError(f"simulate: parameter bytes {mine['total']} disagree with spmd.analytic_comm {analytic}")
 
   # History token counts of one data shard.
@@ -267,7 +277,13 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
     row = owners * c * spec.table(table).dim * np.dtype(model_cfg.params_dtype).itemsize
     for _ in range(sum(1 for k, _ in shapes.lookups(b) if k == key)):
       comm.ring("embedding_forward", "all-to-all", axes, owners * c * 4 + row)
-      comm.ring("embedding_backward", "all-to-all", axes, row)
+      if not sparse_engine:
+        comm.ring("embedding_backward", "all-to-all", axes, row)
+  if sparse_engine:
+    from gem_jax.run import table_update
+    for kind, axes, full in table_update.sync_collectives(shapes.lookups(b), p.table_axes, spec, shape, shards,
+                                                          capacity_slack, _capacity):
+      comm.ring("embedding_update", kind, axes, full)
 
   # Tensor- and context-parallel activations, per HSTU / Wukong layer and the heads.
   h = model_cfg.hstu
@@ -316,17 +332,22 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
   f_in = len(spec.sparse) + (1 if spec.dense_dim else 0) + model_cfg.hstu.num_contextual + 1 + model_cfg.num_recent
   activations += model_cfg.num_layers * act * b * (
       3 * f_in * e + 3 * (w.fm_outputs + w.lcb_outputs) * e + f_in * w.fm_rank + 2 * w.mlp_hidden / t)
+  # The sparse engine differentiates the rows a batch read, never a table (their sinks are activations).
+  dense_params = nnx.split_state(params, spmd.embeddings_lib.Table, ...)[1]
+  grad_bytes = _shard_bytes(dense_params, p.tree_specs(dense_params), shape) if sparse_engine else param_bytes
   memory = {"params": param_bytes, "optimizer": _shard_bytes(opt_state, p.tree_specs(opt_state), shape),
-            "gradients": param_bytes, "gathered_params": dense_full, "activations": activations}
+            "gradients": grad_bytes, "gathered_params": dense_full, "activations": activations}
   memory["total"] = float(sum(memory.values()))
   memory["hbm_bytes"] = hw.hbm_bytes
   memory["fits"] = None if hw.hbm_bytes is None else memory["total"] <= hw.hbm_bytes
 
   summary = comm.summary()
   parts = {name: comm.summary(name) for name in
-           ("params", "embedding_forward", "embedding_backward", "tensor_parallel", "context_parallel")}
+           ("params", "embedding_forward", "embedding_backward", "embedding_update", "tensor_parallel",
+            "context_parallel")}
   out = {
       "mesh": mesh_spec.name, "devices": n_dev, "batch_size": batch, "rows_per_shard": b,
+      "embedding_update": cfg.train.embedding_update,
       "mean_history": float(lengths.mean()), "history_capacity": cap,
       "comm": {**summary, "parts": parts, "capacities": capacities,
                "analytic_params": analytic, "placement_notes": list(p.notes)},

@@ -7,6 +7,9 @@ table is read and XLA drops the rest; the parameters are zeros made inside the f
 A lookup call is keyed "table/N" by its table and how many ids it reads, as the SPMD step keys it
 (gem_jax/parallel/spmd.py), so a lookup added to the model gets a capacity without anyone listing it.
 
+`sync_capacities`: per table, the slots of the sparse engine's three update stages (gem_jax/run/table_update.py)
+on the same ids, all calls of a table together.
+
 `capacities`: per call, the per-destination slots of the all-to-all (parallel/sparse.py capacity_for) that the
 ids of every data shard of a batch need, times a slack. The simulator (gem_jax/observe/simulate.py) reads the
 distinct ids per call of sample batches the same way.
@@ -23,6 +26,7 @@ from flax import nnx
 
 from gem_jax import runtime
 from gem_jax.parallel import sparse
+from gem_jax.parallel.rules import DATA_AXES
 
 
 class _Recorder:
@@ -70,4 +74,42 @@ def capacities(calls: list[tuple[str, np.ndarray]], plan, vocab_of, slack: float
     owners = math.prod(plan.mesh.shape[a] for a in axes)
     need = sparse.capacity_for(list(ids_SxN), vocab_of(table), owners, slack, multiple)
     out[key] = max(out.get(key, 0), need)
+  return out
+
+
+def sync_capacities(calls: list[tuple[str, np.ndarray]], plan, vocab_of, slack: float = 1.05,
+                    multiple: int = 1) -> dict[str, dict[str, int]]:
+  """Per table read by `calls` (all its calls' ids together), slack x the worst case over the batch of:
+    unique    distinct ids of one data shard (the rows summed over context / tensor copies, and the rows a
+              replicated table's copies all-gather)
+    owner     distinct ids one data shard sends one owner (row-sharded tables: sparse.capacity_for)
+    received  distinct ids one owner receives from the data shards it serves (the rows its copies on the
+              other data axes all-gather)
+  Data shards are numbered row-major over the mesh's data axes of size > 1 (spmd.data_spec)."""
+  by_table: dict[str, list[np.ndarray]] = {}
+  for key, ids_SxN in calls:
+    by_table.setdefault(key.rsplit("/", 1)[0], []).append(np.asarray(ids_SxN).reshape(len(ids_SxN), -1))
+  shape = plan.mesh.shape
+  data = [a for a in DATA_AXES if shape[a] > 1]
+  grid = [shape[a] for a in data]
+  round_up = lambda worst: -(-max(1, math.ceil(round(slack * worst, 9))) // multiple) * multiple
+  out = {}
+  for table, parts in by_table.items():
+    v = vocab_of(table)
+    ids_SxN = np.concatenate(parts, axis=1)
+    shards = [np.unique(row[(row >= 0) & (row < v)]) for row in ids_SxN]
+    caps = {"unique": round_up(max((u.size for u in shards), default=0))}
+    own = [a for a in plan.table_axes.get(table, ()) if shape[a] > 1]
+    if own:
+      owners = math.prod(shape[a] for a in own)
+      caps["owner"] = sparse.capacity_for(shards, v, owners, slack, multiple)
+      # The shards one owner serves share their coordinates on the other data axes (its copy group).
+      groups: dict[tuple, list[np.ndarray]] = {}
+      for s, u in enumerate(shards):
+        coords = np.unravel_index(s, grid) if grid else ()
+        groups.setdefault(tuple(int(c) for a, c in zip(data, coords) if a not in own), []).append(u)
+      worst = max(int(np.bincount(np.unique(np.concatenate(g)) // (v // owners), minlength=owners).max())
+                  for g in groups.values())
+      caps["received"] = round_up(worst)
+    out[table] = caps
   return out

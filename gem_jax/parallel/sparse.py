@@ -174,7 +174,9 @@ def send_to_owners(ids_U: jax.Array, values_UxE: jax.Array, *, axes: str | Seque
   slots per owner, then the spill, second and last-resort rounds only when some device needs them, so
   no id is ever dropped. Returns (local_M, values_MxE, stats) on the owner: the rows it received, M = P x
   (the rounds' slots), with the id as a row of its own block (local_M = -1 in an empty slot, whose value
-  is zeros); an id may arrive from several devices. stats: "overflow" (1 if any fallback round ran).
+  is zeros); an id may arrive from several devices. stats: "overflow" (1 if any fallback round ran) and,
+  per fallback round the sizes allow ("spill", "second", "last_resort": also the named scope of its
+  collectives), 1 if it ran.
   """
   axes, uniform_axes = _as_axes(axes), _as_axes(uniform_axes)
   num_shards = jax.lax.axis_size(axes)
@@ -199,10 +201,12 @@ def send_to_owners(ids_U: jax.Array, values_UxE: jax.Array, *, axes: str | Seque
               jax.lax.all_to_all(rows_PxCxE, axes, 0, 0).reshape((-1,) + values_UxE.shape[1:]))
 
     ids, rows = send(valid_U & (slot_U < capacity), slot_U, capacity)
-    received_ids, received_rows, ran = [ids], [rows], []
+    received_ids, received_rows, ran, stats = [ids], [rows], [], {}
     spill = int(min(max(1, math.ceil(spill_fraction * capacity)), n - capacity))
     again = int(min(capacity, n - capacity - spill))
-    for lo, size in ((capacity, spill), (capacity + spill, again), (capacity + spill + again, n - capacity - spill - again)):
+    rounds = (("spill", capacity, spill), ("second", capacity + spill, again),
+              ("last_resort", capacity + spill + again, n - capacity - spill - again))
+    for name, lo, size in rounds:
       if size <= 0:
         continue
       extra_U = valid_U & (slot_U >= lo) & (slot_U < lo + size)
@@ -212,12 +216,14 @@ def send_to_owners(ids_U: jax.Array, values_UxE: jax.Array, *, axes: str | Seque
       empty = (jnp.where(True, _PAD, jnp.broadcast_to(local_U[:1], (num_shards * size,))),
                jnp.where(True, jnp.zeros((), values_UxE.dtype),
                          jnp.broadcast_to(values_UxE[:1], (num_shards * size,) + values_UxE.shape[1:])))
-      ids, rows = jax.lax.cond(go > 0, lambda e=extra_U, lo=lo, size=size: send(e, slot_U - lo, size),
-                               lambda empty=empty: empty)
+      with jax.named_scope(name):
+        ids, rows = jax.lax.cond(go > 0, lambda e=extra_U, lo=lo, size=size: send(e, slot_U - lo, size),
+                                 lambda empty=empty: empty)
+      stats[name] = go
       received_ids.append(ids)
       received_rows.append(rows)
     overflow = functools.reduce(jnp.maximum, ran, jnp.zeros((), jnp.int32))
-  return jnp.concatenate(received_ids), jnp.concatenate(received_rows), {"overflow": overflow}
+  return jnp.concatenate(received_ids), jnp.concatenate(received_rows), {"overflow": overflow, **stats}
 
 
 def capacity_for(ids_per_shard: Sequence[np.ndarray], num_rows: int, num_shards: int, slack: float = 1.1,

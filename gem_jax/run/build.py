@@ -50,6 +50,7 @@ class Run:
   rest: Any                      # the model's non-parameter state
   state: step_lib.TrainState     # placed on the mesh, or ShapeDtypeStructs with their shardings
   capacities: dict[str, int]
+  sync_capacities: dict[str, dict[str, int]]  # the sparse engine's, per table (lookups.sync_capacities)
   train_step: Any = None         # None on an abstract mesh
   eval_step: Any = None
 
@@ -139,24 +140,29 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
         shardings, state, is_leaf=lambda x: isinstance(x, NamedSharding))
   else:
     state = placement.place_state(state, p)
-  capacities = {}
+  capacities, sync_capacities = {}, {}
   if not abstract:  # an abstract run (the simulator) reads its lookups off samples of its own
     first = first_batch if first_batch is not None else source.first_batch()
-    capacities = _capacities((graphdef, rest, state.params, task), source, p, first, capacity_slack,
-                             capacity_multiple)
-  run = Run(cfg, source, task, mesh_spec, mesh, p, optimizer, graphdef, rest, state, capacities)
+    capacities, sync_capacities = _capacities((graphdef, rest, state.params, task), source, p, first,
+                                              capacity_slack, capacity_multiple, cfg.train.embedding_update)
+  run = Run(cfg, source, task, mesh_spec, mesh, p, optimizer, graphdef, rest, state, capacities,
+            sync_capacities)
   if not abstract or local:
     run.train_step = step_lib.make_train_step(graphdef, rest, optimizer, task, p, state, capacities,
-                                              cfg.train.embedding_update)
+                                              cfg.train.embedding_update, sync_capacities)
     run.eval_step = step_lib.make_eval_step(graphdef, rest, task, p, state.params, capacities)
   return run
 
 
-def _capacities(run_parts, source, p, first, slack, multiple) -> dict[str, int]:
-  """All-to-all capacities of the model's lookups (read off its trace) on the first batch; none when no
-  table is row sharded."""
-  if not any(p.table_axes.values()):
-    return {}
+def _capacities(run_parts, source, p, first, slack, multiple, engine: str):
+  """(all-to-all capacities of the model's lookups, the sparse engine's sync capacities per table), read off
+  the model's trace on the first batch: none where nothing is row sharded, or on one device."""
+  row_sharded = any(p.table_axes.values())
+  sync = engine == "sparse" and any(n > 1 for n in p.mesh.shape.values())
+  if not (row_sharded or sync):
+    return {}, {}
   graphdef, rest, params, task = run_parts
   calls = lookups.lookup_ids(graphdef, rest, params, task, source.shard(first, p.num_data_shards))
-  return lookups.capacities(calls, p, lambda table: source.spec.table(table).vocab_size, slack, multiple)
+  vocab_of = lambda table: source.spec.table(table).vocab_size
+  return (lookups.capacities(calls, p, vocab_of, slack, multiple) if row_sharded else {},
+          lookups.sync_capacities(calls, p, vocab_of, slack, multiple) if sync else {})

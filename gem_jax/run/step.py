@@ -72,7 +72,8 @@ def _keep(finite, new, old):
 
 
 def make_train_step(graphdef, rest, optimizer, task, p: Plan, state: TrainState,
-                    capacities: dict[str, int] | None = None, embedding_update: str = "dense") -> Callable:
+                    capacities: dict[str, int] | None = None, embedding_update: str = "dense",
+                    sync_capacities: dict[str, dict[str, int]] | None = None) -> Callable:
   """train_step(state, sharded batch) -> (state, metrics); `state` (placed by placement.place_state) is
   donated. The task gives the per-shard sums (task.sums) and the loss of their totals (task.loss).
 
@@ -82,6 +83,8 @@ def make_train_step(graphdef, rest, optimizer, task, p: Plan, state: TrainState,
   embedding_update: "sparse" differentiates the rows the batch read and updates only those
   (gem_jax/run/table_update.py, with `optimizer` a run.optim.Optimizer); "dense" differentiates the tables
   whole (a V x E gradient per table) and gives them to the optimizer with everything else.
+  sync_capacities: the sparse engine's update slots per table (lookups.sync_capacities); a table without
+  them gets slots for every id it read.
   """
   capacities = dict(capacities or {})
   shardings = placement.state_shardings(state, p)
@@ -89,7 +92,7 @@ def make_train_step(graphdef, rest, optimizer, task, p: Plan, state: TrainState,
       state.params, is_leaf=lambda x: isinstance(x, nnx.Variable))):
     from gem_jax.run import table_update
     sparse_step = table_update.make_step(graphdef, rest, optimizer, task, p, state, capacities,
-                                         global_norm=global_norm, guarded_keep=_keep)
+                                         dict(sync_capacities or {}), global_norm=global_norm, guarded_keep=_keep)
     return jax.jit(sparse_step, in_shardings=(shardings, NamedSharding(p.mesh, P(DATA_AXES))),
                    out_shardings=(shardings, NamedSharding(p.mesh, P())), donate_argnums=0)
   param_specs = spmd.step_specs(p, state.params)

@@ -32,11 +32,13 @@ gradient is not finite writes no row (and the dense parameters stay, as in step.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -141,67 +143,122 @@ def dense_sync(num_rows: int, dim: int, ids: int, copies: int) -> bool:
   return 2 * num_rows * dim / copies <= ids * (dim + 1)
 
 
-def update_tables(rule, p, names, blocks, slots, ids_by_call, cots_by_call, calls, capacities, finite, count,
+def _in_rounds(collective, parts, capacity: int, uniform_axes, count, grow: int = 1, spill_fraction: float = 0.125):
+  """collective(*parts) on the first `capacity` rows of each part, then on a spill of spill_fraction x
+  `capacity` more and on all the rest, each only when some device holds valid rows there (`count`: this
+  device's valid rows, which come first; a cond on a flag every device agrees on), so no row is ever
+  dropped and a batch a little over the capacity pays for the spill only, as sparse.send_to_owners. The
+  collective returns `grow` x the rows it is given (an all-gather: the group size).
+  -> (the results, rows concatenated in order; {"spill" | "rest": 1 if that round ran}, also the named
+  scopes of their collectives)."""
+  n = parts[0].shape[0]
+  capacity = int(min(max(1, capacity), n))
+  spill = int(min(max(1, math.ceil(spill_fraction * capacity)), n - capacity))
+  out, ran = [collective(*(x[:capacity] for x in parts))], {}
+  for name, lo, hi in (("spill", capacity, capacity + spill), ("rest", capacity + spill, n)):
+    if hi <= lo:
+      continue
+    rest = tuple(x[lo:hi] for x in parts)
+    go = jax.lax.pmax((count > lo).astype(jnp.int32), uniform_axes)
+    empty = lambda rest=rest: tuple(jnp.full((grow * x.shape[0],) + x.shape[1:], -1 if jnp.issubdtype(
+        x.dtype, jnp.integer) else 0, x.dtype) for x in rest)  # ids -1 (no row), gradients 0
+    with jax.named_scope(name):
+      out.append(jax.lax.cond(go > 0, lambda rest=rest: collective(*rest), empty))
+    ran[name] = go
+  return tuple(jnp.concatenate(xs) for xs in zip(*out)), ran
+
+
+def update_tables(rule, p, names, blocks, slots, ids_by_call, cots_by_call, calls, sync_caps, finite, count,
                   num_rows):
   """The update stage on one device (module docstring): -> (blocks, slots, table gradient sq-norm, stats).
 
   blocks / slots: this device's block of each table and of each of its slots; ids_by_call / cots_by_call:
-  this device's ids and row cotangents per lookup call; finite: the dense side's verdict (loss and dense
-  gradient finite); num_rows: global rows per table."""
+  this device's ids and row cotangents per lookup call; sync_caps: per table, the slots of the update's
+  collectives (lookups.sync_capacities; default every id read); finite: the dense side's verdict (loss and
+  dense gradient finite); num_rows: global rows per table.
+
+  stats per table: unique (distinct ids per data shard), touched (rows updated), sync_spill / sync_rest (1
+  if a spill round / a later round of one of its sync collectives ran: named scopes "spill", and "rest",
+  "second", "last_resort"), sync_ideal_bytes (what this device would move if every
+  collective carried exactly its touched rows' ids and gradients, under hlo.py's traffic model; the mean
+  over devices)."""
   mesh = p.mesh
   active = spmd.active_axes(mesh)
   copy_ct = spmd.active_axes(mesh, COPY_AXES)
+  n_ct = math.prod(mesh.shape[a] for a in copy_ct)
+  devices = math.prod(mesh.shape[a] for a in active)
+  mean = lambda x: (jax.lax.psum(x, active) / devices) if active else x
   merged, sq, stats = {}, jnp.zeros((), jnp.float32), {}
   for t, name in enumerate(names):
     mine = [i for i, (table, _) in enumerate(calls) if table == name]
     if not mine:
       merged[name] = None
       continue
-    ids_N = jnp.concatenate([ids_by_call[i] for i in mine])
-    g_NxE = jnp.concatenate([cots_by_call[i] for i in mine]).astype(jnp.float32)
-    if copy_ct:
-      g_NxE = jax.lax.psum(g_NxE, copy_ct)
-    v = num_rows[name]
-    uniq_U, g_UxE = _merge_rows(ids_N, g_NxE, v, tuple(calls[i][1] for i in mine))
-    unique = jnp.sum(uniq_U < v, dtype=jnp.int32).astype(jnp.float32)
-    # Per data shard (devices along context / tensor hold the same shard: counted once).
-    stats[f"emb/{name}/unique"] = ((jax.lax.psum(unique, active) if active else unique)
-                                   / (math.prod(mesh.shape[a] for a in copy_ct) * p.num_data_shards))
-    own = spmd.active_axes(mesh, p.table_axes.get(name, ()))
-    block = blocks[t]
-    if own:
-      ids_M, g_MxE, st = sparse.send_to_owners(uniq_U, g_UxE, axes=own, num_rows=v,
-                                               capacity=capacities.get(f"{name}/*", ids_N.shape[0]),
-                                               uniform_axes=active)
-      stats[f"emb/{name}/grad_overflow"] = st["overflow"]
-      local_rows = block.shape[0]
-    else:
-      ids_M, g_MxE, local_rows = uniq_U, g_UxE, v
-    copies = tuple(a for a in spmd.active_axes(mesh, DATA_AXES) if a not in own)
-    n_copies = math.prod(mesh.shape[a] for a in copies)
-    if not own and not copies:  # one device, or a table only context / tensor copies share: merged already
-      touched_U = (uniq_U < v) & jnp.any(g_UxE != 0, axis=1)
-      sq = sq + jnp.sum(jnp.square(g_UxE))
-      stats[f"emb/{name}/touched"] = jnp.sum(touched_U, dtype=jnp.int32)
-      merged[name] = ("rows", uniq_U, g_UxE, touched_U)
-      continue
-    if copies and not own and dense_sync(v, block.shape[1], ids_N.shape[0], n_copies):
-      grad_VxE = jax.lax.psum(jnp.zeros(block.shape, jnp.float32).at[jnp.where(ids_M < v, ids_M, v)].add(
-          g_MxE, mode="drop"), copies)
-      sq = sq + jnp.sum(jnp.square(grad_VxE))
-      merged[name] = ("dense", grad_VxE)
-      continue
-    if copies:
-      ids_M = jax.lax.all_gather(ids_M, copies, axis=0, tiled=True)
-      g_MxE = jax.lax.all_gather(g_MxE, copies, axis=0, tiled=True)
-    uniq_R, g_RxE = _merge_rows(ids_M, g_MxE, local_rows)
-    touched_R = (uniq_R < local_rows) & jnp.any(g_RxE != 0, axis=1)
-    part_sq = jnp.sum(jnp.square(g_RxE))
-    touched = jnp.sum(touched_R, dtype=jnp.int32)
-    # Each owner holds its own rows once; copies computed the same sums.
-    sq = sq + (jax.lax.psum(part_sq, own) if own else part_sq)
-    stats[f"emb/{name}/touched"] = jax.lax.psum(touched, own) if own else touched
-    merged[name] = ("rows", uniq_R, g_RxE, touched_R)
+    with jax.named_scope(f"table={name}"):  # op names say whose collective it is (mesh_sweep counts per table)
+      ids_N = jnp.concatenate([ids_by_call[i] for i in mine])
+      g_NxE = jnp.concatenate([cots_by_call[i] for i in mine]).astype(jnp.float32)
+      v, e = num_rows[name], g_NxE.shape[1]
+      caps = sync_caps.get(name, {})
+      uniq_U, g_UxE = _merge_rows(ids_N, g_NxE, v, tuple(calls[i][1] for i in mine))
+      n_unique = jnp.sum(uniq_U < v, dtype=jnp.int32)
+      ran_spill, ran_rest, ideal = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
+      if copy_ct:  # devices along context / tensor read the same ids: sum their rows' gradients
+        (g_UxE,), ran = _in_rounds(lambda g: (jax.lax.psum(g, copy_ct),), (g_UxE,), caps.get("unique", ids_N.shape[0]),
+                                   active, n_unique)
+        ran_spill, ran_rest = ran_spill | ran.get("spill", 0), ran_rest | ran.get("rest", 0)
+        ideal += 2.0 * (n_ct - 1) / n_ct * n_unique.astype(jnp.float32) * e * 4
+      # Per data shard (devices along context / tensor hold the same shard: counted once).
+      stats[f"emb/{name}/unique"] = mean(n_unique.astype(jnp.float32))
+      own = spmd.active_axes(mesh, p.table_axes.get(name, ()))
+      block = blocks[t]
+      if own:
+        rows_per_owner = v // math.prod(mesh.shape[a] for a in own)
+        valid_U = uniq_U < v
+        remote = jnp.sum(valid_U & (uniq_U // rows_per_owner != jax.lax.axis_index(own)), dtype=jnp.int32)
+        ids_M, g_MxE, st = sparse.send_to_owners(uniq_U, g_UxE, axes=own, num_rows=v,
+                                                 capacity=caps.get("owner", ids_N.shape[0]), uniform_axes=active)
+        ran_spill |= st.get("spill", 0)
+        ran_rest |= functools.reduce(jnp.maximum, [st.get(r, 0) for r in ("second", "last_resort")])
+        ideal += remote.astype(jnp.float32) * (e + 1) * 4
+        local_rows = block.shape[0]
+      else:
+        ids_M, g_MxE, local_rows = uniq_U, g_UxE, v
+      copies = tuple(a for a in spmd.active_axes(mesh, DATA_AXES) if a not in own)
+      n_copies = math.prod(mesh.shape[a] for a in copies)
+      if not own and not copies:  # one device, or a table only context / tensor copies share: merged already
+        touched_U = (uniq_U < v) & jnp.any(g_UxE != 0, axis=1)
+        sq = sq + jnp.sum(jnp.square(g_UxE))
+        stats[f"emb/{name}/touched"] = jnp.sum(touched_U, dtype=jnp.int32)
+        merged[name] = ("rows", uniq_U, g_UxE, touched_U)
+      elif copies and not own and dense_sync(v, block.shape[1], ids_N.shape[0], n_copies):
+        grad_VxE = jax.lax.psum(jnp.zeros(block.shape, jnp.float32).at[jnp.where(ids_M < v, ids_M, v)].add(
+            g_MxE, mode="drop"), copies)
+        sq = sq + jnp.sum(jnp.square(grad_VxE))
+        ideal += (n_copies - 1) * n_unique.astype(jnp.float32) * (e + 1) * 4
+        merged[name] = ("dense", grad_VxE)
+      else:
+        uniq_R, g_RxE = _merge_rows(ids_M, g_MxE, local_rows)
+        if copies:  # the same table on other data axes: every copy merges every copy's rows
+          n_rows = jnp.sum(uniq_R < local_rows, dtype=jnp.int32)
+          ideal += (n_copies - 1) * n_rows.astype(jnp.float32) * (e + 1) * 4
+          gather = lambda i, g: (jax.lax.all_gather(i, copies, axis=0, tiled=True),
+                                 jax.lax.all_gather(g, copies, axis=0, tiled=True))
+          (ids_G, g_GxE), ran = _in_rounds(gather, (jnp.where(uniq_R < local_rows, uniq_R, -1), g_RxE),
+                                           caps.get("received" if own else "unique", uniq_R.shape[0]), active, n_rows,
+                                           grow=n_copies)
+          ran_spill, ran_rest = ran_spill | ran.get("spill", 0), ran_rest | ran.get("rest", 0)
+          uniq_R, g_RxE = _merge_rows(ids_G, g_GxE, local_rows)
+        touched_R = (uniq_R < local_rows) & jnp.any(g_RxE != 0, axis=1)
+        part_sq = jnp.sum(jnp.square(g_RxE))
+        touched = jnp.sum(touched_R, dtype=jnp.int32)
+        # Each owner holds its own rows once; copies computed the same sums.
+        sq = sq + (jax.lax.psum(part_sq, own) if own else part_sq)
+        stats[f"emb/{name}/touched"] = jax.lax.psum(touched, own) if own else touched
+        merged[name] = ("rows", uniq_R, g_RxE, touched_R)
+      if active:
+        stats[f"emb/{name}/sync_spill"] = jax.lax.pmax(ran_spill, active)
+        stats[f"emb/{name}/sync_rest"] = jax.lax.pmax(ran_rest, active)
+        stats[f"emb/{name}/sync_ideal_bytes"] = mean(ideal)
   finite = finite & jnp.isfinite(sq)
   new_blocks, new_slots = list(blocks), [list(s) for s in slots]
   for t, name in enumerate(names):
@@ -223,13 +280,66 @@ def update_tables(rule, p, names, blocks, slots, ids_by_call, cots_by_call, call
   return new_blocks, [list(s) for s in new_slots], sq, finite, stats
 
 
+def _worst(counts: list[int], groups: int, slack: float, cap: int) -> int:
+  """slack x the largest of `groups` counts like `counts` (the sample's; with more groups than samples,
+  mu + sqrt(2 ln(groups) mu), as gem_jax/observe/simulate.py extrapolates its capacities), at most `cap`."""
+  if groups <= len(counts):
+    worst = float(max(counts[:groups]))
+  else:
+    mu = float(np.mean(counts))
+    worst = mu + math.sqrt(2.0 * math.log(max(groups, 2)) * mu)
+  return int(max(1, min(cap, math.ceil(round(slack * worst, 9)))))
+
+
+def sync_collectives(calls, table_axes, spec, shape, shards: int, slack: float, capacity) -> list:
+  """[(kind, axes, full bytes)] of the update's collectives on a mesh of axis sizes `shape` with `shards`
+  data shards, from sample shards' ids of the lookup calls (gem_jax/observe/simulate.py's model of this
+  module: its embedding_update part). capacity(ids_SxN, rows, owners, shards, slack): the simulator's
+  owner-slot estimate."""
+  out = []
+  by_table: dict[str, list[np.ndarray]] = {}
+  for key, ids_SxN in calls:
+    by_table.setdefault(key.rsplit("/", 1)[0], []).append(np.asarray(ids_SxN).reshape(len(ids_SxN), -1))
+  copy_ct = [a for a in COPY_AXES if shape[a] > 1]
+  for table, parts in by_table.items():
+    v, e = spec.table(table).vocab_size, spec.table(table).dim
+    ids_SxN = np.concatenate(parts, axis=1)
+    n = ids_SxN.shape[1]
+    uniq = [np.unique(row[(row >= 0) & (row < v)]) for row in ids_SxN]
+    c_u = _worst([u.size for u in uniq], shards, slack, n)
+    out.append(("all-reduce", copy_ct, c_u * e * 4))
+    own = [a for a in table_axes.get(table, ()) if shape[a] > 1]
+    copies = [a for a in DATA_AXES if shape[a] > 1 and a not in own]
+    n_copies = math.prod(shape[a] for a in copies)
+    if own:
+      owners = math.prod(shape[a] for a in own)
+      c_o = capacity(ids_SxN, v, owners, shards, slack)
+      out.append(("all-to-all", own, owners * c_o * (e + 1) * 4))
+      # Distinct ids one owner receives from the `owners` shards it serves: unions of that many sample
+      # shards where there are enough, else each shard's share (an upper bound: unions overlap).
+      rows = v // owners
+      if owners <= len(uniq):
+        counts = [int(np.bincount(np.unique(np.concatenate(uniq[i:i + owners])) // rows, minlength=owners).max())
+                  for i in range(0, len(uniq) - owners + 1, owners)]
+      else:
+        counts = [int(np.unique(np.concatenate(uniq)).size / len(uniq))]
+      c_r = _worst(counts, shards // owners, slack, owners * c_o)
+      out.append(("all-gather", copies, n_copies * c_r * (e + 1) * 4))
+    elif copies and dense_sync(v, e, n, n_copies):
+      out.append(("all-reduce", copies, v * e * 4))
+    else:
+      out.append(("all-gather", copies, n_copies * c_u * (e + 1) * 4))
+  return out
+
+
 def device_spec(mesh) -> P:
   """Arrays with one slice per device (sinks, ids, cotangents): leading dim over every active axis."""
   active = spmd.active_axes(mesh)
   return P(active) if active else P()
 
 
-def make_step(graphdef, rest, optimizer, task, p, state, capacities, *, global_norm, guarded_keep):
+def make_step(graphdef, rest, optimizer, task, p, state, capacities, sync_capacities, *, global_norm,
+              guarded_keep):
   """train_step(state, batch) -> (state, metrics) of the sparse engine (module docstring); the same contract
   as step.make_train_step's dense path."""
   from gem_jax.run.step import TrainState  # the step module owns the state type
@@ -260,7 +370,7 @@ def make_step(graphdef, rest, optimizer, task, p, state, capacities, *, global_n
 
   def update_body(calls, blocks, slots, ids, cots, finite, count):
     return update_tables(rule, p, names, blocks, slots, [i[0] for i in ids], [c[0] for c in cots], calls,
-                         capacities, finite, count, num_rows)
+                         sync_capacities, finite, count, num_rows)
 
   def train_step(st: TrainState, batch):
     tables, dense = nnx.split_state(st.params, Table, ...)

@@ -80,7 +80,8 @@ class Meter(Hook):
       rows = run.source.batch_size
       per_device = rows // run.num_devices
       if per_device >= 1:
-        one_device = meter_lib.one_device_baseline(run, per_device, self.meter.host_peak)
+        one_device = meter_lib.one_device_baseline(run, per_device, self.meter.host_peak, state=t.state,
+                                                    flop_model=self.flop_model)
       else:
         self.meter.notes.append(f"local_mfu / scaling_efficiency: batch {rows} is smaller than the "
                                 f"{run.num_devices} devices")
