@@ -26,8 +26,10 @@ def tiny(*sets: str, **named):
 # The tiny run on meshes/cpu_8.yaml that several slow tests read (conftest.py's tiny_cpu8_run trains it once
 # per session, whichever worker asks first): the single-process reference of the multi-process run, a user's
 # cpu_8 efficiency report, and the checkpoint the resharding restore reads on other meshes.
+# Tables by the sparse engine, so its row sync runs across processes and its state is checkpointed and
+# restored on other meshes.
 CPU8_SETS = {"train.steps": 8, "train.warmup_steps": 1, "train.log_every": 1, "train.eval_every": 4,
-             "train.checkpoint_every": 4, "train.eval_examples": 512}
+             "train.checkpoint_every": 4, "train.eval_examples": 512, "train.embedding_update": "sparse"}
 
 
 def tiny_cpu8_config():
@@ -62,6 +64,12 @@ def check_run_report(out_dir, num_devices: int, log=None) -> dict:
     assert comm["total"] == 0 and r["scaling_efficiency"] == 1.0
   memory = r["memory_bytes_per_device"]
   assert memory["argument"] > 0 and memory["temp"] > 0, memory
+  engine = r.get("embedding_update")
+  if engine is not None:  # train.embedding_update=sparse: its accounting against the touched rows
+    assert engine["update_bytes"] >= engine["update_ideal_bytes"] > 0, engine
+    assert all(t["touched"] > 0 for t in engine["tables"].values()), engine["tables"]
+    if num_devices > 1:
+      assert engine["sync_bytes"] > 0 and engine["sync_ideal_bytes"] > 0 and engine["sync_bytes_by_axis"], engine
   breakdown = r["step_breakdown"]
   assert "unavailable" in breakdown or breakdown["compute_s"] > 0, breakdown
   if num_devices > 1 and "unavailable" not in breakdown:

@@ -85,6 +85,7 @@ def test_two_processes_train_what_one_process_trains(tmp_path, tiny_cpu8_run):
   _wait_all([_launch(two, tmp_path / f"two_p{i}.log", *multi, "--process-id", str(i), "--no-report")
              for i in (0, 1)])
   check_run_report(one, num_devices=8, log=one_log)
+  assert json.loads((one / "report.json").read_text())["embedding_update"]["tables"]  # CPU8_SETS: sparse engine
   assert not (two / "report.json").exists()
 
   got, want = _records(two), _records(one)

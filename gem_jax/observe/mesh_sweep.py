@@ -29,10 +29,11 @@ import jax
 import numpy as np
 
 from gem_jax.config import apply_overrides
-from gem_jax.observe import hlo
+from gem_jax.observe import embedding_update, hlo
 from gem_jax.parallel import mesh as mesh_lib
 from gem_jax.parallel import placement as spmd
 from gem_jax.parallel import sparse
+from gem_jax.run import table_update
 from gem_jax.run.build import build
 
 
@@ -91,18 +92,9 @@ def sweep_one(path: str, cfg, batches, *, capacity_slack: float = 1.05, capacity
   analytic = spmd.analytic_comm(run.plan, params_host)
   measured_params = moved(params_like)
   sparse_engine = cfg.train.embedding_update == "sparse"
-  # Later rounds run per table: each conditional collective is charged on the fraction of steps its
-  # table's round of that kind ran (a spill round, or one of the rounds after it).
-  sync_tables = sorted({k.split("/")[1] for k in (stats[0] if stats else {}) if k.endswith("/sync_spill")})
-  rate = lambda t, kind: float(np.mean([st[f"emb/{t}/sync_{kind}"] > 0 for st in stats]))
-  sync_rates = {t: {kind: rate(t, kind) for kind in ("spill", "rest")} for t in sync_tables}
-  sync_rate = float(np.mean([any(st[f"emb/{t}/sync_{kind}"] > 0 for t in sync_tables for kind in ("spill", "rest"))
-                             for st in stats])) if stats else 0.0
-  kind_of = lambda c: "spill" if "/spill/" in c.op_name else "rest"
-  sync_bytes = (moved([c for c in table_sync if not c.conditional])
-                + sum(sync_rates[t][kind_of(c)] * c.moved_bytes * c.count for t in sync_tables
-                      for c in table_sync if c.conditional and f"table={t}/" in c.op_name))
-  sync_ideal = float(np.mean([sum(v for k, v in st.items() if k.endswith("/sync_ideal_bytes")) for st in stats]))
+  engine = (embedding_update.account(colls, stats, table_update.row_bytes(params_host, run.optimizer,
+                                                                            run.state.opt_state))
+            if sparse_engine else None)
   # The sparse engine never all-reduces a table: its parameter traffic is the dense HSDP volume alone.
   expected_params = analytic["dense_total"] + (0.0 if sparse_engine else analytic["table_grad_sync"])
   return {
@@ -139,14 +131,14 @@ def sweep_one(path: str, cfg, batches, *, capacity_slack: float = 1.05, capacity
           "fallback_rates": ran,
           "all_gathers_in_lookup": sum(1 for c in lookup if c.kind == "all-gather"),
           # The sparse engine's update: row gradients summed over copies, sent to their owners and gathered
-          # across the table's copies; a second round (inside a conditional) is charged on the fraction of
-          # steps some table's ran, against the ideal of exactly the touched rows (table_update.py).
-          "table_sync_bytes": sync_bytes if sparse_engine else None,
-          "table_sync_ideal_bytes": sync_ideal if sparse_engine else None,
-          "table_sync_ratio": sync_bytes / sync_ideal if sparse_engine and sync_ideal else None,
-          "table_sync_fallback_rate": sync_rate if sparse_engine else None,
-          "table_sync_fallback_rates": sync_rates if sparse_engine else None,
-          "table_sync_by_kind": hlo.summarize(table_sync)["by_kind"] if sparse_engine else None,
+          # across the table's copies, against the touched rows' ideal (observe/embedding_update.py).
+          "table_sync_bytes": engine["sync_bytes"] if engine else None,
+          "table_sync_ideal_bytes": engine["sync_ideal_bytes"] if engine else None,
+          "table_sync_ratio": engine["sync_ratio"] if engine else None,
+          "table_sync_fallback_rate": engine["fallback_rate"] if engine else None,
+          "table_sync_fallback_rates": ({t: r["fallback_rates"] for t, r in engine["tables"].items()}
+                                        if engine else None),
+          "table_sync_by_kind": engine["sync_by_kind"] if engine else None,
           "table_axes": {t: list(a) for t, a in run.plan.table_axes.items()},
       },
   }

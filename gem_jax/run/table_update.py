@@ -177,7 +177,8 @@ def update_tables(rule, p, names, blocks, slots, ids_by_call, cots_by_call, call
   collectives (lookups.sync_capacities; default every id read); finite: the dense side's verdict (loss and
   dense gradient finite); num_rows: global rows per table.
 
-  stats per table: unique (distinct ids per data shard), touched (rows updated), sync_spill / sync_rest (1
+  stats per table: unique (distinct ids per data shard), touched (rows updated) and update_slots (rows the
+  rule reads, valid or not; both summed over a row-sharded table's owners), sync_spill / sync_rest (1
   if a spill round / a later round of one of its sync collectives ran: named scopes "spill", and "rest",
   "second", "last_resort"), sync_ideal_bytes (what this device would move if every
   collective carried exactly its touched rows' ids and gradients, under hlo.py's traffic model; the mean
@@ -229,12 +230,15 @@ def update_tables(rule, p, names, blocks, slots, ids_by_call, cots_by_call, call
         touched_U = (uniq_U < v) & jnp.any(g_UxE != 0, axis=1)
         sq = sq + jnp.sum(jnp.square(g_UxE))
         stats[f"emb/{name}/touched"] = jnp.sum(touched_U, dtype=jnp.int32)
+        stats[f"emb/{name}/update_slots"] = jnp.float32(uniq_U.shape[0])
         merged[name] = ("rows", uniq_U, g_UxE, touched_U)
       elif copies and not own and dense_sync(v, block.shape[1], ids_N.shape[0], n_copies):
         grad_VxE = jax.lax.psum(jnp.zeros(block.shape, jnp.float32).at[jnp.where(ids_M < v, ids_M, v)].add(
             g_MxE, mode="drop"), copies)
         sq = sq + jnp.sum(jnp.square(grad_VxE))
         ideal += (n_copies - 1) * n_unique.astype(jnp.float32) * (e + 1) * 4
+        stats[f"emb/{name}/touched"] = jnp.sum(jnp.any(grad_VxE != 0, axis=1), dtype=jnp.int32)
+        stats[f"emb/{name}/update_slots"] = jnp.float32(block.shape[0])
         merged[name] = ("dense", grad_VxE)
       else:
         uniq_R, g_RxE = _merge_rows(ids_M, g_MxE, local_rows)
@@ -254,6 +258,8 @@ def update_tables(rule, p, names, blocks, slots, ids_by_call, cots_by_call, call
         # Each owner holds its own rows once; copies computed the same sums.
         sq = sq + (jax.lax.psum(part_sq, own) if own else part_sq)
         stats[f"emb/{name}/touched"] = jax.lax.psum(touched, own) if own else touched
+        slots_R = jnp.float32(uniq_R.shape[0])
+        stats[f"emb/{name}/update_slots"] = jax.lax.psum(slots_R, own) if own else slots_R
         merged[name] = ("rows", uniq_R, g_RxE, touched_R)
       if active:
         stats[f"emb/{name}/sync_spill"] = jax.lax.pmax(ran_spill, active)
@@ -329,6 +335,18 @@ def sync_collectives(calls, table_axes, spec, shape, shards: int, slack: float, 
       out.append(("all-reduce", copies, v * e * 4))
     else:
       out.append(("all-gather", copies, n_copies * c_u * (e + 1) * 4))
+  return out
+
+
+def row_bytes(params, optimizer, opt_state) -> dict[str, float]:
+  """Per table: the bytes of one row and of its optimizer slots (what the rule reads and writes per row)."""
+  tables, _ = nnx.split_state(params, Table, ...)
+  names = table_names(tables)
+  per_row = lambda x: float(x.size // max(x.shape[0], 1) * x.dtype.itemsize)
+  out = {n: per_row(v.get_value()) for n, v in zip(names, jax.tree_util.tree_leaves(tables, is_leaf=_is_var))}
+  for slot in optimizer.table_state(opt_state).slots:
+    for n, v in zip(table_names(slot), jax.tree_util.tree_leaves(slot, is_leaf=_is_var)):
+      out[n] += per_row(v.get_value())
   return out
 
 

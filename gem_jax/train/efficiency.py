@@ -4,8 +4,9 @@ What is measured and how is gem_jax/observe/meter.py (per-step records without b
 gem_jax/observe/report.py (the report's keys); this hook feeds them from the trainer: the host batch before
 each dispatch, each step's drained metrics, the steps an evaluation or a checkpoint shares its time with,
 and, after the final evaluation, the compiled program most steps ran. A mesh run also times the same
-per-device batch on one device (local MFU, scaling efficiency). Only process 0 reports, and only a run that
-reaches its last step (a run stopped early writes no report).
+per-device batch on one device (local MFU, scaling efficiency); a run with the sparse engine gets
+"embedding_update" (observe/embedding_update.py: its sync and update bytes against the touched rows).
+Only process 0 reports, and only a run that reaches its last step (a run stopped early writes no report).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import os
 
 import jax
 
-from gem_jax.observe import flops, meter as meter_lib, report as report_lib
+from gem_jax.observe import embedding_update, flops, hlo, meter as meter_lib, report as report_lib
+from gem_jax.run import table_update
 from gem_jax.train.hooks import Hook
 
 
@@ -30,11 +32,13 @@ class Meter(Hook):
     self.report: dict | None = None
     self.examples = self.tokens = 0
     self.model_flops = 0.0
+    self.sparse_engine, self.engine_stats = False, []
 
   def begin(self, t) -> None:
     if not (t.writes_files and t.end_step == t.total_steps):
       return
     self.flop_model = flops.FlopModel(t.run)
+    self.sparse_engine = t.run.cfg.train.embedding_update == "sparse"
     self.meter = meter_lib.RunMeter(t.run, out_dir=t.out_dir, start_step=t.step, end_step=t.end_step,
                                     flop_model=self.flop_model, imbalance_every=self.imbalance_every,
                                     busy_every=tuple(h.every for h in t.hooks if h.key in ("checkpoint", "evaluate")))
@@ -61,6 +65,8 @@ class Meter(Hook):
     if self.meter is None:
       return
     host.update(self.meter.drained(step - 1))
+    if self.sparse_engine:
+      self.engine_stats.append({k: float(v) for k, v in host.items() if k.startswith("emb/")})
     for key in self.history:
       self.history[key].append(host.get(key))
 
@@ -95,6 +101,10 @@ class Meter(Hook):
         rep["notes"].append(f"scaling_efficiency: the {run.num_devices} virtual CPU devices share this host's "
                             f"{os.cpu_count()} cores, so its ceiling here is about {os.cpu_count()}/"
                             f"{run.num_devices}, not 1")
+    if self.sparse_engine:
+      colls = hlo.collectives(compiled.as_text(), run.mesh) if run.num_devices > 1 else []
+      rep["embedding_update"] = embedding_update.account(
+          colls, self.engine_stats, table_update.row_bytes(t.state.params, run.optimizer, t.state.opt_state))
     plots = report_lib.plot(rep, self.history, os.path.join(t.out_dir, "plots"))
     rep["plots"] = [os.path.relpath(p, t.out_dir) for p in plots]
     with open(os.path.join(t.out_dir, "report.json"), "w") as f:
