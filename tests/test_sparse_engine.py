@@ -158,8 +158,9 @@ def test_rowwise_adam_matches_a_hand_computation():
 def test_the_sparse_engine_on_cpu_8_computes_the_one_device_function_and_syncs_only_touched_rows():
   """meshes/cpu_8.yaml (rows over `sparse`, copies over `fsdp`, tensor copies) against one device, through
   mesh_sweep: the losses agree within 1e-5; the update's collectives move at most 1.25x the touched rows'
-  ideal bytes (compiled HLO, second rounds charged as often as they ran); the dense parameters' traffic is
-  the HSDP volume alone; the simulator predicts the compiled step's bytes within 10%."""
+  ideal bytes (compiled HLO, second rounds charged as often as they ran); no all-reduce or all-gather over
+  a data axis carries an array the size of a row-sharded table's block; the dense parameters' traffic is the HSDP
+  volume alone; the simulator predicts the compiled step's bytes within 10%."""
   from gem_jax.observe import mesh_sweep
   from gem_jax.observe.simulate import model_shapes, simulate
   from tests.run_helpers import assert_matches_hlo
@@ -172,6 +173,12 @@ def test_the_sparse_engine_on_cpu_8_computes_the_one_device_function_and_syncs_o
   assert emb["table_axes"]["ad_id"] == ["sparse"]
   assert 0 < emb["table_sync_bytes"] <= 1.25 * emb["table_sync_ideal_bytes"], emb
   assert 1 / 1.1 <= eight["comm"]["dense"]["ratio"] <= 1.1, eight["comm"]["dense"]
+  # No all-reduce or all-gather over a data axis carries a row-sharded table's block.
+  spec = cfg.data.spec
+  for t, axes in emb["table_axes"].items():
+    if axes:
+      block = spec.table(t).vocab_size // 2 * spec.table(t).dim * 4
+      assert 0 < eight["largest_sync_array_bytes"][t] < block, (t, eight["largest_sync_array_bytes"][t], block)
   sized = apply_overrides(cfg, ["data.pipeline.batch_size=256"])
   sim = simulate(sized, mesh_lib.load("meshes/cpu_8.yaml"), shapes=model_shapes(sized))
   assert_matches_hlo(sim["comm"], eight["comm"], "cpu_8 sparse")

@@ -57,6 +57,8 @@ class Collective:
   computation: str         # HLO computation holding the instruction
   conditional: bool        # only reached through a `conditional` branch
   count: int = 1           # executions per program run (known while-loop trip counts)
+  array_bytes: int = 0     # the largest single array among its operands and results (XLA combines
+                           # collectives into tuples: this is what one of them carried at most)
 
 
 # ---------------------------------------------------------------------------------------------- shapes
@@ -300,7 +302,7 @@ def collectives(hlo_text: str, mesh: Any) -> list[Collective]:
       if mod.replicas != 1 or mod.partitions != n:
         raise ValueError(f"{instr.name}: program runs on {mod.replicas} replica(s) x {mod.partitions} "
                          f"partitions, expected 1 x {n} for a jit over a mesh of {n} devices")
-      operand_bytes, result_bytes = _bytes(instr, kind, shapes, done_shape)
+      operand_bytes, result_bytes, array_bytes = _bytes(instr, kind, shapes, done_shape)
       groups = _device_groups(instr, kind, n)
       axes = _varying_axes(instr, groups, mesh_shape)
       group_size = (math.prod(mesh_shape[a] for a in axes) if kind == "collective-permute"
@@ -311,7 +313,7 @@ def collectives(hlo_text: str, mesh: Any) -> list[Collective]:
           axes=tuple(names[a] for a in axes),
           moved_bytes=_moved(kind, operand_bytes, result_bytes, group_size),
           op_name=op_name.group(1) if op_name else "", computation=comp, conditional=cond[comp],
-          count=count[comp]))
+          count=count[comp], array_bytes=array_bytes))
   return out
 
 
@@ -365,8 +367,8 @@ def _operand_name(token: str) -> str:
   return token.split()[-1].lstrip("%")
 
 
-def _bytes(instr: _Instr, kind: str, shapes: dict[str, str], done_shape: dict[str, str]) -> tuple[int, int]:
-  """(operand bytes, result bytes) of one collective."""
+def _bytes(instr: _Instr, kind: str, shapes: dict[str, str], done_shape: dict[str, str]) -> tuple[int, int, int]:
+  """(operand bytes, result bytes, the largest single array's bytes) of one collective."""
   operands = []
   for token in instr.operands:
     if len(token.split()) > 1:         # older printers put the operand's shape before its name
@@ -382,7 +384,8 @@ def _bytes(instr: _Instr, kind: str, shapes: dict[str, str], done_shape: dict[st
     # all-reduce-start has the result's shape and the others hold (operands, result[, context...]).
     result = done_shape.get(instr.name) or (
         result if kind == "all-reduce" else _split_top(result.strip()[1:-1])[1])
-  return sum(shape_bytes(s) for s in operands), shape_bytes(result)
+  largest = max((shape_bytes(m.group(0)) for x in operands + [result] for m in _LEAF.finditer(x)), default=0)
+  return sum(shape_bytes(s) for s in operands), shape_bytes(result), largest
 
 
 def _varying_axes(instr: _Instr, groups: list[list[int]], mesh_shape: tuple[int, ...]) -> list[int]:

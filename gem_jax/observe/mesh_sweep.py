@@ -33,6 +33,7 @@ from gem_jax.observe import embedding_update, hlo
 from gem_jax.parallel import mesh as mesh_lib
 from gem_jax.parallel import placement as spmd
 from gem_jax.parallel import sparse
+from gem_jax.parallel.rules import DATA_AXES
 from gem_jax.run import table_update
 from gem_jax.run.build import build
 
@@ -106,6 +107,12 @@ def sweep_one(path: str, cfg, batches, *, capacity_slack: float = 1.05, capacity
       "compile_s": compile_s,
       "memory": hlo.memory(compiled),
       "placement_notes": list(run.plan.notes),
+      # Per table, the largest single array its update's all-reduces / all-gathers over a data axis carry in
+      # every step (a block's gradient on the dense path; touched rows' slots with the sparse engine).
+      "largest_sync_array_bytes": {
+          t: max([c.array_bytes for c in colls if c.kind in ("all-reduce", "all-gather") and not c.conditional
+                  and set(c.axes) & set(DATA_AXES) and f"table={t}/" in c.op_name], default=0)
+          for t in run.plan.table_axes},
       "capacities": run.capacities,
       "comm": {
           **hlo.summarize(colls),

@@ -201,6 +201,8 @@ def update_tables(rule, p, names, blocks, slots, ids_by_call, cots_by_call, call
       v, e = num_rows[name], g_NxE.shape[1]
       caps = sync_caps.get(name, {})
       uniq_U, g_UxE = _merge_rows(ids_N, g_NxE, v, tuple(calls[i][1] for i in mine))
+      # At most V distinct ids, first in the sorted slots: the rest are always empty.
+      uniq_U, g_UxE = uniq_U[:v], g_UxE[:v]
       n_unique = jnp.sum(uniq_U < v, dtype=jnp.int32)
       ran_spill, ran_rest, ideal = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
       if copy_ct:  # devices along context / tensor read the same ids: sum their rows' gradients
@@ -242,6 +244,7 @@ def update_tables(rule, p, names, blocks, slots, ids_by_call, cots_by_call, call
         merged[name] = ("dense", grad_VxE)
       else:
         uniq_R, g_RxE = _merge_rows(ids_M, g_MxE, local_rows)
+        uniq_R, g_RxE = uniq_R[:local_rows], g_RxE[:local_rows]  # at most a block's rows are distinct
         if copies:  # the same table on other data axes: every copy merges every copy's rows
           n_rows = jnp.sum(uniq_R < local_rows, dtype=jnp.int32)
           ideal += (n_copies - 1) * n_rows.astype(jnp.float32) * (e + 1) * 4
