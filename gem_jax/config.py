@@ -27,9 +27,9 @@ from typing import Any
 #   dense params      AdamW, linear warmup to `learning_rate` then cosine decay to
 #                     `learning_rate * end_lr_fraction` at `steps`, global-norm clipping at `grad_clip_norm`
 #   embedding tables  a row optimizer (`embedding_optimizer`: row-wise Adagrad, SGD or row-wise Adam) at a
-#                     constant `embedding_learning_rate`; `embedding_update` = "sparse" applies it to the rows
-#                     a batch touched (the sparse engine), "dense" (the default until the simulator models
-#                     the engine's sync) to a V x E gradient per table
+#                     constant `embedding_learning_rate`; `embedding_update` = "sparse" (the default) applies
+#                     it to the rows a batch touched (the sparse engine, gem_jax/run/table_update.py),
+#                     "dense" to a V x E gradient per table (the reference the engine is tested against)
 # CPU-sized defaults (a laptop run of a few hundred steps); named configs replace fields.
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class TrainConfig:
   # Embedding tables (gem_jax/run/table_optim.py, gem_jax/run/table_update.py). Row-wise Adam uses b1 / b2
   # above and adagrad_eps.
   embedding_optimizer: str = "rowwise_adagrad"
-  embedding_update: str = "dense"
+  embedding_update: str = "sparse"
   embedding_learning_rate: float = 0.05
   adagrad_initial_accumulator: float = 0.0
   adagrad_eps: float = 1e-8

@@ -20,6 +20,56 @@ import pytest  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+def _shared_fixtures(item) -> list[str]:
+  """The module- and session-scoped fixtures of this suite (not pytest's own) that `item` uses, as keys
+  that name one instance: a module fixture per module, a session fixture once."""
+  info = getattr(item, "_fixtureinfo", None)
+  out = []
+  for name, defs in (info.name2fixturedefs.items() if info is not None else ()):
+    d = defs[-1]
+    if d.scope not in ("module", "session") or name == "compile_cache":
+      continue
+    if not str(getattr(d.func, "__module__", "")).startswith("tests"):
+      continue
+    out.append(f"{item.module.__name__.rsplit('.', 1)[-1]}.{name}" if d.scope == "module" else name)
+  return out
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks (--dist loadgroup, pyproject.toml)
+def pytest_collection_modifyitems(config, items):
+  """Work units for `-n 2` on a 2-core machine, where a fixture built twice or a long test started last
+  costs wall time: tests that share an expensive fixture (module- or session-scoped, e.g. test_spmd's
+  cpu_8 setup, the session's tiny_cpu8_run) form one xdist group, so one worker builds it once and no
+  worker waits on the other's lock; and units holding a slow test go out first, grouped units next, so
+  the longest work starts early and short tests fill the end. Without -n the order is the same and each
+  group's tests stay contiguous, so a module fixture is still built once."""
+  parent: dict[str, str] = {}
+
+  def find(k: str) -> str:
+    while parent.setdefault(k, k) != k:
+      parent[k] = parent[parent[k]]
+      k = parent[k]
+    return k
+
+  keys = [_shared_fixtures(item) for item in items]
+  for ks in keys:
+    for k in ks[1:]:
+      parent[find(k)] = find(ks[0])
+  unit = [find(ks[0]) if ks else item.nodeid for item, ks in zip(items, keys)]
+  first, slow = {}, set()
+  for i, (item, u) in enumerate(zip(items, unit)):
+    first.setdefault(u, i)
+    if item.get_closest_marker("slow"):
+      slow.add(u)
+  grouped = {u for item, u, ks in zip(items, unit, keys) if ks}
+  for item, u in zip(items, unit):
+    if u in grouped:
+      item.add_marker(pytest.mark.xdist_group(u))
+  rank = lambda iu: (0 if iu[1][1] in slow else 1 if iu[1][1] in grouped else 2, first[iu[1][1]], iu[0])
+  order = sorted(enumerate(zip(items, unit)), key=rank)
+  items[:] = [item for _, (item, _) in order]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory):
   """One persistent compilation cache for the whole test session (unless one is set already): a program

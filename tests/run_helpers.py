@@ -26,10 +26,10 @@ def tiny(*sets: str, **named):
 # The tiny run on meshes/cpu_8.yaml that several slow tests read (conftest.py's tiny_cpu8_run trains it once
 # per session, whichever worker asks first): the single-process reference of the multi-process run, a user's
 # cpu_8 efficiency report, and the checkpoint the resharding restore reads on other meshes.
-# Tables by the sparse engine, so its row sync runs across processes and its state is checkpointed and
-# restored on other meshes.
+# Tables by the sparse engine (the default), so its row sync runs across processes and its state is
+# checkpointed and restored on other meshes.
 CPU8_SETS = {"train.steps": 8, "train.warmup_steps": 1, "train.log_every": 1, "train.eval_every": 4,
-             "train.checkpoint_every": 4, "train.eval_examples": 512, "train.embedding_update": "sparse"}
+             "train.checkpoint_every": 4, "train.eval_examples": 512}
 
 
 def tiny_cpu8_config():

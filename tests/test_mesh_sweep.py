@@ -6,6 +6,9 @@ in a subprocess since this test process has 8), 20 steps of the tiny model in f3
     stream) the forward lookup bytes are at most 1.25x the ideal (distinct remote ids out, rows back)
   - parameter traffic on cpu_16_5d is within 10% of the analytic HSDP volume of the placement
   - the cluster simulator's bytes agree with these compiled programs within 10% (cpu_8, cpu_16_5d)
+  - the sparse engine (the default table update) moves at most 1.25x the touched rows' ideal bytes in its
+    update collectives (compiled HLO, later rounds charged as often as they ran), and no all-reduce or
+    all-gather over a data axis carries an array the size of a row-sharded table's block
 """
 
 import json
@@ -42,8 +45,21 @@ def test_mesh_sweep_acceptance(tmp_path):
   assert five["memory"]["temp"] > 0 and five["memory"]["argument"] > 0
   assert set(five["comm"]["by_axis"]) >= {"fsdp", "sparse", "tensor"}
   assert "cpu_16_5d" in proc.stdout  # the table printed
-  # The cluster simulator predicts these bytes without compiling (issue 6: within 10%).
   from gem_jax import configs
+  spec = configs.get("tiny").data.spec
+  for name in ("cpu_8", "cpu_16_5d"):
+    emb = sweep[name]["embedding"]
+    assert 0 < emb["table_sync_bytes"] <= 1.25 * emb["table_sync_ideal_bytes"], (name, emb)
+    for t, axes in emb["table_axes"].items():
+      if axes:  # rows over these axes: the block is the table over their product
+        owners = 1
+        for a in axes:
+          owners *= sweep[name]["axes"][a]
+        block = spec.table(t).vocab_size // owners * spec.table(t).dim * 4
+        largest = sweep[name]["largest_sync_array_bytes"][t]
+        assert 0 < largest < block, (name, t, largest, block)
+  assert sweep["cpu_8"]["embedding"]["table_axes"]["ad_id"] == ["sparse"]
+  # The cluster simulator predicts these bytes without compiling (issue 6: within 10%).
   from gem_jax.config import apply_overrides
   from gem_jax.observe.simulate import model_shapes, simulate
   from gem_jax.parallel import mesh as mesh_lib

@@ -92,14 +92,15 @@ def _compiled(cfg):
 
 
 def test_the_sparse_step_holds_nothing_table_sized_but_the_tables_and_their_state():
-  """XLA's temporary memory of the sparse step does not grow with V (40x the rows: within 1.1x), while the
-  dense step's does; and no op of the sparse step but the in-place row writes produces a V x E array."""
+  """XLA's temporary memory of the sparse step does not grow with V (200x tiny's 1,000 user rows: within
+  1.1x), while the dense step's does; and no op of the sparse step but the in-place row writes produces a
+  V x E array. (tiny's own step: other tests compile the same program, which the session cache serves.)"""
   temps, texts = {}, {}
-  for mode, rows in (("sparse", 5_003), ("sparse", 200_003), ("dense", 200_003)):
+  for mode, rows in (("sparse", 1_000), ("sparse", 200_003), ("dense", 200_003)):
     c = _compiled(_grown(tiny(**{"train.embedding_update": mode}), "user_id", rows))
     temps[mode, rows] = c.memory_analysis().temp_size_in_bytes
     texts[mode, rows] = c.as_text()
-  assert temps["sparse", 200_003] <= 1.1 * temps["sparse", 5_003], temps
+  assert temps["sparse", 200_003] <= 1.1 * temps["sparse", 1_000], temps
   assert temps["dense", 200_003] > 200_003 * 16 * 4, temps     # the dense path holds a V x E gradient
   big = re.compile(r"=\s*f32\[200003,16\]\{[^}]*\}\s+([a-z\-]+)\(")
   allowed = {"parameter", "get-tuple-element", "tuple", "while", "dynamic-update-slice", "fusion", "copy", "bitcast"}
@@ -153,35 +154,6 @@ def test_rowwise_adam_matches_a_hand_computation():
     v = b2 * v + (1 - b2) * np.mean(g.astype(np.float64) ** 2, axis=1)
     want = -lr * (m / (1 - b1 ** (t + 1))) / (np.sqrt(v / (1 - b2 ** (t + 1)))[:, None] + eps)
     np.testing.assert_allclose(np.asarray(u), want, rtol=1e-5)
-
-
-def test_the_sparse_engine_on_cpu_8_computes_the_one_device_function_and_syncs_only_touched_rows():
-  """meshes/cpu_8.yaml (rows over `sparse`, copies over `fsdp`, tensor copies) against one device, through
-  mesh_sweep: the losses agree within 1e-5; the update's collectives move at most 1.25x the touched rows'
-  ideal bytes (compiled HLO, second rounds charged as often as they ran); no all-reduce or all-gather over
-  a data axis carries an array the size of a row-sharded table's block; the dense parameters' traffic is the HSDP
-  volume alone; the simulator predicts the compiled step's bytes within 10%."""
-  from gem_jax.observe import mesh_sweep
-  from gem_jax.observe.simulate import model_shapes, simulate
-  from tests.run_helpers import assert_matches_hlo
-
-  cfg = tiny(**{"train.embedding_update": "sparse"})
-  sweep = mesh_sweep.sweep(cfg, ["meshes/cpu_1.yaml", "meshes/cpu_8.yaml"], steps=5, batch_size=256)
-  one, eight = sweep["meshes"]
-  assert eight["max_rel_loss_diff"] <= 1e-5, eight["losses"]
-  emb = eight["embedding"]
-  assert emb["table_axes"]["ad_id"] == ["sparse"]
-  assert 0 < emb["table_sync_bytes"] <= 1.25 * emb["table_sync_ideal_bytes"], emb
-  assert 1 / 1.1 <= eight["comm"]["dense"]["ratio"] <= 1.1, eight["comm"]["dense"]
-  # No all-reduce or all-gather over a data axis carries a row-sharded table's block.
-  spec = cfg.data.spec
-  for t, axes in emb["table_axes"].items():
-    if axes:
-      block = spec.table(t).vocab_size // 2 * spec.table(t).dim * 4
-      assert 0 < eight["largest_sync_array_bytes"][t] < block, (t, eight["largest_sync_array_bytes"][t], block)
-  sized = apply_overrides(cfg, ["data.pipeline.batch_size=256"])
-  sim = simulate(sized, mesh_lib.load("meshes/cpu_8.yaml"), shapes=model_shapes(sized))
-  assert_matches_hlo(sim["comm"], eight["comm"], "cpu_8 sparse")
 
 
 def test_row_gradients_reach_their_owner_through_every_round():

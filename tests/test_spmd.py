@@ -2,7 +2,9 @@
 
 Checks that the mesh computes the one-device function (losses and parameters), that its compiled program
 moves embeddings with all-to-all and never gathers a table, and that its parameter traffic is the HSDP
-volume the placement implies. The 16-device mesh and 20-step trajectories are in test_mesh_sweep.py.
+volume the placement implies, on the dense table path (train.embedding_update=dense: a table's gradient is
+synced like a dense weight's); the sparse engine on meshes, the 16-device mesh and 20-step trajectories are
+in test_mesh_sweep.py.
 """
 
 import dataclasses
@@ -24,7 +26,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def setup():
-  cfg = tiny("data.pipeline.batch_size=64")
+  cfg = tiny("data.pipeline.batch_size=64", "train.embedding_update=dense")
   one = build(cfg)
   batches = [one.source.sample(64, index=i) for i in range(STEPS)]
   state, ref_losses = one.state, []

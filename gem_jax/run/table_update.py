@@ -109,14 +109,16 @@ def _merge_rows(ids_M, g_MxE, num_rows: int, parts: tuple[int, ...] | None = Non
   the runs' sums are added last run first, the order in which JAX's backward adds the V x E gradients of
   several lookups of one table, so the dense path's sums come out the same."""
   valid = (ids_M >= 0) & (ids_M < num_rows)
-  uniq_U, inv_M = jnp.unique(jnp.where(valid, ids_M, num_rows), size=ids_M.shape[0], fill_value=num_rows,
+  # At most num_rows + 1 distinct values (the rows, and num_rows for every invalid id, sorted last).
+  slots = min(ids_M.shape[0], num_rows + 1)
+  uniq_U, inv_M = jnp.unique(jnp.where(valid, ids_M, num_rows), size=slots, fill_value=num_rows,
                              return_inverse=True)
   inv_M = jnp.reshape(inv_M, (-1,))
   g_MxE = jnp.where(valid[:, None], g_MxE, 0)
   bounds = list(itertools.accumulate(parts or (ids_M.shape[0],), initial=0))
   g_UxE = None
   for lo, hi in reversed(list(zip(bounds[:-1], bounds[1:]))):
-    part = jnp.zeros_like(g_MxE).at[inv_M[lo:hi]].add(g_MxE[lo:hi])
+    part = jnp.zeros((slots, g_MxE.shape[1]), g_MxE.dtype).at[inv_M[lo:hi]].add(g_MxE[lo:hi])
     g_UxE = part if g_UxE is None else g_UxE + part
   return uniq_U, g_UxE
 
