@@ -23,7 +23,7 @@ raises instead of falling into a default group.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,13 +113,60 @@ def _lookup(known: dict, pick: Callable[[str, int], Any]) -> Callable[[Any], Any
   return fn
 
 
-# ---- the optimizer --------------------------------------------------------------------------------
+# ---- the optimizer ---------------------------------------------------------------------------------
+class ScheduleState(NamedTuple):
+  """The dense learning-rate schedule's step count and its numbers. The numbers ride in the state, not in
+  the compiled step, so runs that differ only in steps, warmup or the learning rates share one compiled
+  program (the persistent compilation cache serves them all); a restore writes the config's numbers back
+  (`Optimizer.with_schedule`), so a resumed run follows its own config's schedule."""
+  count: Any
+  peak: Any
+  warmup: Any
+  decay_steps: Any
+  end: Any
+
+
+def schedule_numbers(cfg: TrainConfig, total_steps: int | None = None) -> dict[str, float]:
+  return {"peak": cfg.learning_rate, "warmup": float(cfg.warmup_steps), "decay_steps": float(total_steps or cfg.steps),
+          "end": cfg.learning_rate * cfg.end_lr_fraction}
+
+
+def warmup_cosine(count, peak, warmup, decay_steps, end):
+  """0 -> peak linearly over `warmup` steps, then cosine to `end` at `decay_steps` (optax's
+  warmup_cosine_decay_schedule, written for traced numbers)."""
+  f32 = jnp.float32
+  count, peak, warmup, decay_steps, end = (jnp.asarray(x, f32) for x in (count, peak, warmup, decay_steps, end))
+  rising = peak * jnp.clip(count, 0.0, warmup) / jnp.maximum(warmup, 1.0)
+  span = jnp.maximum(decay_steps - warmup, 1.0)
+  cosine = 0.5 * (1.0 + jnp.cos(jnp.pi * jnp.minimum(count - warmup, span) / span))
+  alpha = jnp.where(peak == 0, 0.0, end / jnp.where(peak == 0, 1.0, peak))
+  falling = peak * ((1.0 - alpha) * cosine + alpha)
+  return jnp.where(count < warmup, rising, falling)
+
+
 def dense_schedule(cfg: TrainConfig, total_steps: int | None = None) -> optax.Schedule:
   """0 -> learning_rate linearly over warmup_steps, then cosine to learning_rate * end_lr_fraction at
   total_steps (default train.steps; a run over epochs passes its own)."""
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-      decay_steps=total_steps or cfg.steps, end_value=cfg.learning_rate * cfg.end_lr_fraction)
+  numbers = schedule_numbers(cfg, total_steps)
+  return lambda count: warmup_cosine(count, **numbers)
+
+
+def scale_by_schedule_in_state(numbers: dict[str, float]) -> optax.GradientTransformation:
+  """updates * -lr(count), lr = warmup_cosine over the numbers held in the state (ScheduleState): the
+  last link of AdamW (optax.adamw ends in scale_by_learning_rate the same way)."""
+
+  def init(params):
+    del params
+    return ScheduleState(jnp.zeros([], jnp.int32), *(jnp.asarray(numbers[k], jnp.float32)
+                                                      for k in ("peak", "warmup", "decay_steps", "end")))
+
+  def update(updates, state, params=None):
+    del params
+    lr = warmup_cosine(state.count, state.peak, state.warmup, state.decay_steps, state.end)
+    updates = jax.tree_util.tree_map(lambda g: jnp.asarray(-lr, g.dtype) * g, updates)
+    return updates, state._replace(count=optax.safe_int32_increment(state.count))
+
+  return optax.GradientTransformation(init, update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +179,7 @@ class Optimizer:
   whole: optax.GradientTransformation
   dense: optax.GradientTransformation
   rule: table_optim.RowRule
+  numbers: dict = dataclasses.field(default_factory=dict)  # the dense schedule's (schedule_numbers)
 
   def init(self, params):
     return self.whole.init(params)
@@ -146,6 +194,15 @@ class Optimizer:
   @staticmethod
   def table_state(state) -> table_optim.TableState:
     return state.inner_states[TABLE].inner_state
+
+  def with_schedule(self, state):
+    """`state` with this optimizer's schedule numbers (a restored state carries the checkpoint's)."""
+    def put(x):
+      if not isinstance(x, ScheduleState):
+        return x
+      return x._replace(**{k: jax.device_put(jnp.asarray(self.numbers[k], jnp.float32), getattr(x, k).sharding)
+                           for k in ("peak", "warmup", "decay_steps", "end")})
+    return jax.tree_util.tree_map(put, state, is_leaf=lambda x: isinstance(x, ScheduleState))
 
   @staticmethod
   def with_parts(state, dense_state, table_state):
@@ -164,12 +221,15 @@ def make_optimizer(cfg: TrainConfig, params, table_type: type | None = None,
   accepts that tree or its pure dict; a parameter it was not built for raises a KeyError.
   """
   known = _labels_by_path(params, table_type)
+  # AdamW as optax.adamw composes it (Adam's scaling, decoupled weight decay, -lr), with the schedule's
+  # numbers in the state (ScheduleState).
   dense = optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip_norm),
-      optax.adamw(dense_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                  mask=_lookup(known, lambda label, ndim: label == DENSE and ndim >= 2)),
+      optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=1e-8),
+      optax.add_decayed_weights(cfg.weight_decay, mask=_lookup(known, lambda label, ndim: label == DENSE and ndim >= 2)),
+      scale_by_schedule_in_state(schedule_numbers(cfg, total_steps)),
   )
   rule = table_optim.make_rule(cfg)
   whole = optax.multi_transform({TABLE: rule.transformation(), DENSE: dense}, _lookup(known, lambda label, ndim: label))
   dense_only = optax.masked(dense, _lookup(known, lambda label, ndim: label == DENSE))
-  return Optimizer(whole, dense_only, rule)
+  return Optimizer(whole, dense_only, rule, schedule_numbers(cfg, total_steps))

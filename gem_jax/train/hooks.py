@@ -72,7 +72,9 @@ class Checkpoint(Hook):
     if not resume:
       raise FileExistsError(f"{t.out_dir} already holds checkpoints (last step {latest}): pass --resume to "
                             "continue that run, or choose another --out")
-    step, t.state, extra = ckpt.restore(abstract_state=t.run.abstract_state())
+    step, state, extra = ckpt.restore(abstract_state=t.run.abstract_state())
+    # The schedule's numbers are this config's, not the checkpoint's (optim.ScheduleState).
+    t.state = type(state)(state.params, t.run.optimizer.with_schedule(state.opt_state), state.step, state.rng)
     t.step = t.start_step = step
     t.data.set_state(extra["data"])
     t.counters = {k: np.asarray(v) for k, v in extra["counters"].items()}
@@ -101,7 +103,8 @@ class Checkpoint(Hook):
   def restore_before(self, t, step: int):
     """(step, state) of the newest usable checkpoint at or before `step` (the guard's restore)."""
     restored_step, state, _ = self.checkpointer.restore(abstract_state=t.run.abstract_state(), max_step=step)
-    return restored_step, state
+    return restored_step, type(state)(state.params, t.run.optimizer.with_schedule(state.opt_state), state.step,
+                                      state.rng)
 
   def summary(self, t) -> dict:
     return {"checkpoint_fallbacks": [fb.as_dict() for fb in self.checkpointer.fallbacks]}
