@@ -3,6 +3,8 @@
   python experiments/train.py                          # small config, CPU, ~4 minutes on 2 cores
   python experiments/train.py --config tiny --out runs/tiny --set train.steps=50
   python experiments/train.py --out runs/default --resume   # continue from the last checkpoint
+  python experiments/train.py --config tiny --data runs/tiny_parquet --out runs/tiny_files
+      # the same model on Parquet files (experiments/export_synthetic.py writes a sample)
   python experiments/train.py --config tiny --mesh meshes/cpu_16_5d.yaml --out runs/5d   # 16 CPU devices
   python experiments/train.py --config tiny --mesh meshes/cpu_1.yaml --out runs/5d --eval-only
       # evaluate the newest checkpoint of runs/5d on another mesh (restored resharded)
@@ -35,6 +37,9 @@ def main(argv=None) -> int:
   p.add_argument("--out", default="runs/default", help="run folder (metrics.jsonl, checkpoints/, summary.json)")
   p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
   p.add_argument("--mesh", default=None, help="mesh file (meshes/*.yaml); default: one device")
+  p.add_argument("--data", default=None, metavar="DIR",
+                 help="train on the Parquet files of DIR (spec.yaml, train/, eval/; see the README) instead of the "
+                      "config's own data")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="override a config field, e.g. --set train.steps=200 (repeatable)")
   p.add_argument("--coordinator", default=None, help="host:port of process 0 (multi-process runs)")
@@ -64,7 +69,11 @@ def main(argv=None) -> int:
   from gem_jax import configs
   from gem_jax.config import apply_overrides
   from gem_jax.train import jobs
-  cfg = apply_overrides(configs.get(args.config), args.set + ([f"mesh={args.mesh}"] if args.mesh else []))
+  cfg = configs.get(args.config)
+  if args.data:
+    from gem_jax.data import parquet_source
+    cfg = parquet_source.with_files(cfg, args.data)
+  cfg = apply_overrides(cfg, args.set + ([f"mesh={args.mesh}"] if args.mesh else []))
   import jax
   if args.eval_only:
     result = jobs.evaluate_checkpoint(cfg, args.out, args.step)

@@ -127,3 +127,29 @@ def tiny_cpu8_run(tmp_path_factory):
       log_path.write_text(log.getvalue())
       done.touch()
   return cfg, out, log_path
+
+
+def shared_data_root() -> str:
+  """The shared public datasets: $GEM_JAX_DATA_DIR, or ../shared/data beside the repository."""
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return os.environ.get("GEM_JAX_DATA_DIR", os.path.normpath(os.path.join(here, "..", "shared", "data")))
+
+
+@pytest.fixture(scope="session")
+def movielens_prepared(tmp_path_factory):
+  """The folder experiments/prepare_movielens.py writes, prepared once per session from the shared data
+  (skips, naming the path it looked at, where ml-100k is absent)."""
+  import fcntl
+
+  from gem_jax.data import movielens
+  source = os.path.join(shared_data_root(), "ml-100k", "u.data")
+  if not os.path.exists(source):
+    pytest.skip(f"MovieLens-100K absent: looked for {source} (set GEM_JAX_DATA_DIR to the shared data root)")
+  base = tmp_path_factory.getbasetemp()
+  root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+  out = root / "movielens-100k"
+  with open(root / "movielens.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (out / "prepare.json").exists():
+      movielens.prepare(shared_data_root(), str(out))
+  return str(out)

@@ -9,6 +9,7 @@ import pytest
 
 from gem_jax import configs
 from gem_jax.config import apply_overrides
+from gem_jax.data import parquet_source
 from gem_jax.observe import flops
 from gem_jax.run.build import build
 from gem_jax.run.tasks import AdsMultiTaskConfig
@@ -19,9 +20,12 @@ _SCALE = {"K": 1e3, "M": 1e6, "B": 1e9}
 GEM_CONFIGS = sorted(n for n in configs.CONFIGS if isinstance(configs.get(n).task, AdsMultiTaskConfig))
 
 
-def _abstract(name):
-  """build(cfg, abstract=True) of a named config; the next-item configs skip where their data is absent."""
+def _abstract(name, request):
+  """build(cfg, abstract=True) of a named config; the next-item configs skip where their data is absent, and
+  the Parquet ones read the files the session prepares (conftest.py), or skip where those cannot be made."""
   cfg = configs.get(name)
+  if isinstance(cfg.data, parquet_source.ParquetDataConfig):
+    cfg = parquet_source.with_files(cfg, request.getfixturevalue("movielens_prepared"))
   try:
     return cfg, build(cfg, abstract=True)
   except FileNotFoundError as e:
@@ -29,8 +33,8 @@ def _abstract(name):
 
 
 @pytest.mark.parametrize("name", GEM_CONFIGS)
-def test_docstring_numbers_are_the_computed_ones(name):
-  cfg, run = _abstract(name)
+def test_docstring_numbers_are_the_computed_ones(name, request):
+  cfg, run = _abstract(name, request)
   m = _DOC.search(configs.CONFIGS[name].__doc__)
   assert m, f"config {name}: docstring lacks the params / FLOPs line"
   sparse, dense = float(m[1]) * _SCALE[m[2]], float(m[3]) * _SCALE[m[4]]
@@ -42,10 +46,10 @@ def test_docstring_numbers_are_the_computed_ones(name):
 
 
 @pytest.mark.parametrize("name", sorted(configs.CONFIGS))
-def test_every_config_traces_a_train_step(name):
+def test_every_config_traces_a_train_step(name, request):
   """GPU-scale tables cannot be allocated here, so the one train step is traced on abstract values (shapes
   and dtypes all the way through model, loss and optimizer) on a batch of the config's own source."""
-  cfg, run = _abstract(name)
+  cfg, run = _abstract(name, request)
   batch = run.device_batch(run.source.row_batch(min(run.source.max_length(), 8)))
   new_state, metrics = jax.eval_shape(run.train_step, run.state, batch)
   assert metrics["loss"].shape == () and new_state.step.dtype == jnp.int32 and metrics["nonfinite"].shape == ()

@@ -18,8 +18,10 @@ class and `@register(ThatConfig)` in one new file (tests/test_run.py registers o
   steps_per_epoch()           batches in one pass over the training data, None for an endless stream
   stats(num_examples)         {"lengths": a sample of per-row sequence lengths, ...}: what the simulator
                               and the planner size a cluster from
+  counters()                  {name: count} of what a tolerating input policy did (hashed ids, truncated
+                              histories, masked labels), reported in the run's summary
 
-SyntheticSource, here: the planted-model ads stream (gem_jax/data/synthetic.py) through the grain pipeline
+BlockBatches: the batch methods of any source of Examples blocks. SyntheticSource, here: the planted-model ads stream (gem_jax/data/synthetic.py) through the grain pipeline
 (gem_jax/data/pipeline.py), with an evaluation set from an index range training never reaches. The
 public next-item datasets are gem_jax/data/seqrec_source.py.
 """
@@ -56,36 +58,16 @@ class DataConfig:
 EVAL_START_INDEX = 1 << 30  # eval blocks come from an index range training never reaches
 
 
-@register(DataConfig)
-class SyntheticSource:
-  name = "synthetic"
-  eval_splits = ("eval",)
-
-  def __init__(self, cfg):
-    self.cfg = cfg
-    self.spec = cfg.data.spec
-    self.pipe = cfg.data.pipeline
-    self.batch_size = self.pipe.batch_size
-    self.stream = SyntheticAdsStream(self.spec, cfg.data.synthetic)
-    self._eval = None
-
-  def train_iterator(self):
-    return pipeline.make_iterator(self.stream, self.spec, self.pipe)
-
-  def eval_batches(self, split: str = "eval") -> list:
-    if split != "eval":
-      raise KeyError(f"the synthetic source has one evaluation split, 'eval'; got {split!r}")
-    if self._eval is None:
-      self._eval = pipeline.eval_batches(self.stream, self.spec, self.pipe,
-                                         num_examples=self.cfg.train.eval_examples, start_index=EVAL_START_INDEX)
-    return self._eval
+class BlockBatches:
+  """The batch methods of a source of `Examples` blocks (`self.block(index, size)`, deterministic in both),
+  shared by the synthetic and the Parquet sources; `self.spec` and `self.pipe` (its PipelineConfig)."""
 
   def first_batch(self):
-    return pipeline.pack(self.stream.block(0, self.pipe.batch_size), self.spec, self.pipe)
+    return pipeline.pack(self.block(0, self.pipe.batch_size), self.spec, self.pipe)
 
   def sample(self, rows: int, index: int = 0):
     """A training-like batch of `rows` examples from block `index` (the simulator's samples)."""
-    return pipeline.pack(self.stream.block(index, rows), self.spec, dataclasses.replace(self.pipe, batch_size=rows))
+    return pipeline.pack(self.block(index, rows), self.spec, dataclasses.replace(self.pipe, batch_size=rows))
 
   def shard(self, batch, num_shards: int):
     return shards.shard_batch(batch, self.spec, self.pipe, num_shards)
@@ -99,14 +81,46 @@ class SyntheticSource:
 
   def row_batch(self, n: int):
     """One example with an n-token history in a batch of exactly that capacity (the FLOP traces)."""
-    batch = pipeline.pack(self.stream.block(0, 1), self.spec, dataclasses.replace(self.pipe, batch_size=1))
+    batch = pipeline.pack(self.block(0, 1), self.spec, dataclasses.replace(self.pipe, batch_size=1))
     fields = len(self.spec.sequence.fields)
     return dataclasses.replace(batch, history=Jagged(np.zeros((n, fields), np.int32), np.array([0, n], np.int32)))
 
-  def steps_per_epoch(self):
-    return None
-
   def stats(self, num_examples: int = 65536) -> dict:
     """History lengths of `num_examples` training examples (blocks from index 0), and the ids they read."""
-    block = self.stream.block(0, num_examples)
-    return {"lengths": np.asarray(block.history[1]), "examples": num_examples}
+    block = self.block(0, num_examples)
+    return {"lengths": np.asarray(block.history[1]), "examples": len(block)}
+
+  def counters(self) -> dict[str, int]:
+    """What a tolerating input policy did (hashed ids, truncated histories, masked labels); none here."""
+    return {}
+
+
+@register(DataConfig)
+class SyntheticSource(BlockBatches):
+  name = "synthetic"
+  eval_splits = ("eval",)
+
+  def __init__(self, cfg):
+    self.cfg = cfg
+    self.spec = cfg.data.spec
+    self.pipe = cfg.data.pipeline
+    self.batch_size = self.pipe.batch_size
+    self.stream = SyntheticAdsStream(self.spec, cfg.data.synthetic)
+    self._eval = None
+
+  def block(self, index: int, size: int):
+    return self.stream.block(index, size)
+
+  def train_iterator(self):
+    return pipeline.make_iterator(self.stream, self.spec, self.pipe)
+
+  def eval_batches(self, split: str = "eval") -> list:
+    if split != "eval":
+      raise KeyError(f"the synthetic source has one evaluation split, 'eval'; got {split!r}")
+    if self._eval is None:
+      self._eval = pipeline.eval_batches(self.stream, self.spec, self.pipe,
+                                         num_examples=self.cfg.train.eval_examples, start_index=EVAL_START_INDEX)
+    return self._eval
+
+  def steps_per_epoch(self):
+    return None

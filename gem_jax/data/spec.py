@@ -17,18 +17,29 @@ from typing import Literal
 
 Pooling = Literal["sum", "mean"]
 Group = Literal["user", "context", "candidate"]
+OutOfRange = Literal["error", "hash"]
+Overflow = Literal["error", "truncate"]
+BadLabels = Literal["error", "mask"]
+
+
+def _check_choice(owner: str, field: str, value, choices: tuple[str, ...]) -> None:
+  if value not in choices:
+    raise ValueError(f"{owner}: {field} must be one of {list(choices)}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class TableSpec:
-  """One embedding table: `vocab_size` rows of width `dim`."""
+  """One embedding table: `vocab_size` rows of width `dim`. `out_of_range`: what a file-backed source does
+  with an id outside [0, vocab_size): "error" (the default) or "hash" (a fixed hash into range, counted)."""
   name: str
   vocab_size: int
   dim: int
+  out_of_range: OutOfRange = "error"
 
   def __post_init__(self):
     if self.vocab_size <= 0 or self.dim <= 0:
       raise ValueError(f"table {self.name!r}: vocab_size and dim must be positive, got {self.vocab_size}, {self.dim}")
+    _check_choice(f"table {self.name!r}", "out_of_range", self.out_of_range, ("error", "hash"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +71,17 @@ class TokenField:
 
 @dataclasses.dataclass(frozen=True)
 class SequenceSpec:
-  """The user history: a jagged sequence whose tokens have `fields` (columns of Batch.history.values)."""
+  """The user history: a jagged sequence whose tokens have `fields` (columns of Batch.history.values).
+  `overflow`: what a file-backed source does with a longer history: "error" (the default) or "truncate"
+  (keep the most recent max_len tokens, counted)."""
   fields: tuple[TokenField, ...]
   max_len: int
+  overflow: Overflow = "error"
+
+  def __post_init__(self):
+    if self.max_len <= 0:
+      raise ValueError(f"sequence: max_len must be positive, got {self.max_len}")
+    _check_choice("sequence", "overflow", self.overflow, ("error", "truncate"))
 
   def field_index(self, name: str) -> int:
     for i, f in enumerate(self.fields):
@@ -82,14 +101,18 @@ class TaskSpec:
 
 @dataclasses.dataclass(frozen=True)
 class FeatureSpec:
+  """`bad_labels`: what a file-backed source does with a label outside {0, 1}, or a child task's label set
+  where its parent's is not 1: "error" (the default) or "mask" (the label becomes undefined, counted)."""
   tables: tuple[TableSpec, ...]
   sparse: tuple[SparseFeature, ...]
   dense: tuple[DenseFeature, ...]
   sequence: SequenceSpec
   domains: tuple[str, ...]
   tasks: tuple[TaskSpec, ...]
+  bad_labels: BadLabels = "error"
 
   def __post_init__(self):
+    _check_choice("spec", "bad_labels", self.bad_labels, ("error", "mask"))
     names = [t.name for t in self.tables]
     if len(set(names)) != len(names):
       raise ValueError(f"duplicate table names in {names}")

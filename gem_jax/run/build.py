@@ -31,8 +31,8 @@ from gem_jax.parallel import lookups, placement
 from gem_jax.parallel.rules import DATA_AXES
 from gem_jax.run import optim, step as step_lib, tasks
 
-# Registers the next-item task and source with their registries (they live in their own files).
-from gem_jax.data import seqrec_source  # noqa: F401  isort: skip
+# Registers the next-item task and source and the Parquet source with their registries (their own files).
+from gem_jax.data import parquet_source, seqrec_source  # noqa: F401  isort: skip
 from gem_jax.run import next_item  # noqa: F401  isort: skip
 
 

@@ -219,6 +219,8 @@ def train(run, out_dir: str, hooks: list, *, resume: bool = False, stop_after: i
       "stop_reason": t.stop_reason or "steps",
       "examples_per_s": (steps_run - 1) * batch_rows / train_s if steps_run > 1 and train_s > 0 else None,
       "compile_s": t.compile_s, "wall_s": time.perf_counter() - t.t_start, "params": flops.param_counts(run),
+      # What a tolerating input policy did (hashed ids, truncated histories, masked labels); {} for most sources.
+      "input_counters": getattr(run.source, "counters", dict)(),
       **task_summary, **_parts(t, "summary")}
   t.writer.close()
   if t.writes_files:

@@ -1,0 +1,257 @@
+"""Feature-spec files (gem_jax/data/spec_file.py), the Parquet source (gem_jax/data/parquet_source.py,
+parquet_rows.py) and the export of the synthetic stream (gem_jax/data/export.py)."""
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from gem_jax.data import export, parquet_source, spec_file  # noqa: E402
+from gem_jax.data.parquet_rows import DataFileError  # noqa: E402
+from gem_jax.data.sources import SyntheticSource  # noqa: E402
+from gem_jax.run.build import build  # noqa: E402
+from tests.run_helpers import tiny  # noqa: E402
+
+B = 32  # tiny's batch size
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+  """tiny's stream as Parquet: 20 blocks of 32 rows over 3 files of row groups of 100 rows."""
+  out = str(tmp_path_factory.mktemp("tiny_parquet"))
+  rows = export.export_synthetic(tiny(), out, 20 * B, rows_per_file=300, row_group_rows=100)
+  assert rows == {"train": 640, "eval": 256}
+  return out
+
+
+def _source(path, **data):
+  cfg = parquet_source.with_files(tiny(), str(path))
+  return parquet_source.ParquetSource(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data)))
+
+
+def _same_examples(a, b):
+  flat = lambda ex: jax.tree_util.tree_leaves(dataclasses.asdict(ex))
+  for x, y in zip(flat(a), flat(b), strict=True):
+    assert x.shape == y.shape and np.array_equal(np.asarray(x, np.float64), np.asarray(y, np.float64), equal_nan=True)
+
+
+# ---- spec files ------------------------------------------------------------------------------------------
+def test_a_spec_file_round_trips_and_names_the_key_of_every_error(tmp_path):
+  spec = tiny().data.spec
+  doc = yaml.safe_load(spec_file.dump(spec))
+  loaded = spec_file.parse(doc, "s.yaml")
+  assert loaded.spec == spec and loaded.columns == spec_file.Columns.default(spec)
+
+  def broken(edit, match):
+    d = yaml.safe_load(spec_file.dump(spec))
+    edit(d)
+    with pytest.raises(spec_file.SpecFileError, match=match):
+      spec_file.parse(d, "s.yaml")
+
+  broken(lambda d: d["tables"]["user_id"].update(rowz=3), r"s.yaml: tables.user_id.rowz: unknown key")
+  broken(lambda d: d["tables"]["user_id"].pop("rows"), r"tables.user_id.rows: is required")
+  broken(lambda d: d["tables"]["user_id"].update(rows="many"), r"tables.user_id.rows: must be int")
+  broken(lambda d: d["tables"]["user_id"].update(rows=0), r"tables.user_id.rows: must be a positive integer")
+  broken(lambda d: d["tables"]["ad_id"].update(out_of_range="clamp"), r"tables.ad_id.out_of_range: must be one of")
+  broken(lambda d: d["sparse"]["ad_id"].update(table="ads"), r"sparse.ad_id.table: unknown table 'ads'")
+  broken(lambda d: d["sequence"].update(overflow="drop"), r"sequence.overflow: must be one of")
+  broken(lambda d: d["tasks"]["conversion"].update(parent="purchase"), r"tasks.conversion.parent: must name an earlier")
+  broken(lambda d: d["domains"].update(names=[]), r"domains.names: must be a non-empty list")
+  broken(lambda d: d["dense"]["bid"].update(column="ad_id"), r"column 'ad_id' is named by more than one part")
+  broken(lambda d: d.update(labels="strict"), r"s.yaml: labels: unknown key")
+  path = tmp_path / "bad.yaml"
+  path.write_text("tables: [unclosed")
+  with pytest.raises(spec_file.SpecFileError, match="bad.yaml: not valid YAML"):
+    spec_file.load(str(path))
+
+
+# ---- export and read back --------------------------------------------------------------------------------
+def test_the_files_give_back_the_streams_blocks_and_eval_set_exactly(exported):
+  syn, src = SyntheticSource(tiny()), _source(exported)
+  assert src.spec == syn.spec and src.steps_per_epoch() == 20
+  assert len(os.listdir(os.path.join(exported, "train"))) == 3
+  for i in (0, 2, 3, 9, 19):  # blocks inside one row group, across row groups and across files
+    _same_examples(src.block(i, B), syn.block(i, B))
+  _same_examples(src.block(20, B), src.block(0, B))  # the second epoch, unshuffled
+  for a, b in zip(src.eval_batches(), syn.eval_batches(), strict=True):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+      assert np.array_equal(x, y, equal_nan=True)
+  assert src.position(9) == {"epoch": 0, "file": os.path.join(exported, "train", "part-00000.parquet"),
+                             "row_group": 2, "row": 288}
+  assert src.position(10)["file"].endswith("part-00001.parquet") and src.position(10)["row"] == 20
+
+
+def test_training_from_the_files_gives_the_streams_losses_exactly(exported):
+  losses = {}
+  for name, cfg in (("stream", tiny()), ("files", parquet_source.with_files(tiny(), exported))):
+    run = build(cfg)
+    it, state, out = run.source.train_iterator(), run.state, []
+    for _ in range(6):
+      state, m = run.train_step(state, run.device_batch(next(it)))
+      out.append(float(m["loss"]))
+    losses[name] = out
+  assert losses["files"] == losses["stream"]
+
+
+def test_the_iterator_resumes_at_the_exact_example_and_refuses_changed_files(exported, tmp_path):
+  src = _source(exported, shuffle_window=96, seed=3)
+  it = src.train_iterator()
+  for _ in range(23):  # into the second epoch
+    next(it)
+  state = it.get_state()
+  assert state["next_block"] == 23 and state["next_example"]["epoch"] == 1
+  want = next(it)
+  again = _source(exported, shuffle_window=96, seed=3).train_iterator()
+  again.set_state(state)
+  for x, y in zip(jax.tree_util.tree_leaves(next(again)), jax.tree_util.tree_leaves(want), strict=True):
+    assert np.array_equal(x, y, equal_nan=True)
+  other = _source(exported, shuffle_window=96, seed=4).train_iterator()
+  with pytest.raises(DataFileError, match="the training files changed"):
+    other.set_state(state)
+
+
+def test_a_shuffled_epoch_reads_every_row_once_in_an_order_of_its_own(exported):
+  src = _source(exported, shuffle_window=96, seed=0)
+  ids = lambda epoch: np.concatenate([src.block(epoch * 20 + j, B).sparse["user_id"] for j in range(20)])
+  plain = np.concatenate([_source(exported).block(j, B).sparse["user_id"] for j in range(20)])
+  first, second = ids(0), ids(1)
+  assert sorted(first) == sorted(plain) == sorted(second)
+  assert not np.array_equal(first, plain) and not np.array_equal(first, second)
+  assert np.array_equal(first, np.concatenate([_source(exported, shuffle_window=96, seed=0).block(j, B).sparse["user_id"]
+                                               for j in range(20)]))
+
+
+# ---- bad input, loudly ----------------------------------------------------------------------------------
+def _write(tmp_path, exported, edit_table=None, edit_spec=None):
+  """A one-file copy of the first 64 training rows of `exported`, with a column edited and/or the spec."""
+  table = pq.read_table(os.path.join(exported, "train", "part-00000.parquet")).slice(0, 64)
+  if edit_table:
+    table = edit_table(table)
+  os.makedirs(tmp_path / "train", exist_ok=True)
+  path = str(tmp_path / "train" / "part-00000.parquet")
+  pq.write_table(table, path, row_group_size=40)
+  doc = yaml.safe_load(open(os.path.join(exported, "spec.yaml")))
+  if edit_spec:
+    edit_spec(doc)
+  (tmp_path / "spec.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+  return tmp_path, path
+
+
+def _set(table, name, values, typ=None):
+  i = table.column_names.index(name)
+  return table.set_column(i, name, pa.array(values, typ))
+
+
+def _col(table, name):
+  return table.column(name).to_pylist()
+
+
+def _read_all(src):
+  return [src.block(0, B), src.block(1, B)]
+
+
+CASES = {
+    "missing column": (lambda t: t.drop_columns(["bid"]), None, r"missing column 'bid'"),
+    "wrong type": (lambda t: _set(t, "user_id", [str(x) for x in _col(t, "user_id")]), None,
+                   r"column 'user_id' must hold integers, has string"),
+    "null id": (lambda t: _set(t, "ad_id", [None if i == 45 else x for i, x in enumerate(_col(t, "ad_id"))], pa.int64()),
+                None, r"row 45: column 'ad_id': null value"),
+    "id outside its table": (lambda t: _set(t, "ad_id", [5000 if i == 7 else x for i, x in enumerate(_col(t, "ad_id"))]),
+                             None, r"row 7: column 'ad_id': id 5000 is outside table 'ad_id' of 2000 rows"),
+    "history id outside": (lambda t: _set(t, "history_item_category", [[99] * len(x) if i == 50 else x for i, x in
+                                                                       enumerate(_col(t, "history_item_category"))]),
+                           None, r"row 50: column 'history_item_category': id 99 is outside table 'category'"),
+    "NaN dense": (lambda t: _set(t, "bid", [float("nan") if i == 3 else x for i, x in enumerate(_col(t, "bid"))],
+                                 pa.float32()), None, r"row 3: column 'bid': non-finite dense value"),
+    "history fields of different lengths": (lambda t: _set(t, "history_action", [[1] * 40 if i == 41 else x for i, x in
+                                                              enumerate(_col(t, "history_action"))]),
+                         None, r"row 41: column 'history_action': history length 40 differs"),
+    "label outside {0, 1}": (lambda t: _set(t, "click", [2.0 if i == 9 else x for i, x in enumerate(_col(t, "click"))],
+                                            pa.float32()), None, r"row 9: column 'click': label outside \{0, 1\}"),
+    "child label without parent": (
+        lambda t: _set(t, "conversion", [0.0 if c == 0 else v for c, v in zip(_col(t, "click"), _col(t, "conversion"))],
+                       pa.float32()), None, r"column 'conversion': label set where its parent 'click' is not 1"),
+    "multi-hot over max_ids": (lambda t: _set(t, "user_interests", [[1] * 5 if i == 2 else x for i, x in
+                                                                    enumerate(_col(t, "user_interests"))]),
+                               None, r"row 2: column 'user_interests': 5 ids, more than max_ids 4"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_names_the_file_the_row_and_the_column(tmp_path, exported, case):
+  edit_table, edit_spec, match = CASES[case]
+  folder, path = _write(tmp_path, exported, edit_table, edit_spec)
+  with pytest.raises(DataFileError, match=match) as e:
+    _read_all(_source(folder, eval=str(folder / "train")))
+  assert path in str(e.value)
+
+
+def test_a_history_longer_than_max_len_fails_or_keeps_its_most_recent_tokens_counted(tmp_path, exported):
+  fields = ("item_id", "item_category", "action", "time_gap")
+  long = {f: list(range(1, 19)) * 2 for f in fields}  # 36 tokens > max_len 32, ids valid in every table
+  long["item_category"] = [i % 20 for i in long["item_category"]]
+  long["action"] = [i % 4 for i in long["action"]]
+
+  def edit(t):
+    for f in fields:
+      t = _set(t, f"history_{f}", [long[f] if i == 33 else x for i, x in enumerate(_col(t, f"history_{f}"))])
+    return t
+
+  folder, _ = _write(tmp_path / "a", exported, edit)
+  with pytest.raises(DataFileError, match=r"row 33: column 'history_item_id': history of 36 tokens, more than max_len 32"):
+    _read_all(_source(folder))
+  folder, _ = _write(tmp_path / "b", exported, edit, lambda d: d["sequence"].update(overflow="truncate"))
+  src = _source(folder)
+  values, lengths = src.block(1, B).history
+  assert lengths[1] == 32
+  row = values[int(lengths[:1].sum()):int(lengths[:2].sum())]
+  assert row[:, 0].tolist() == long["item_id"][4:]  # the most recent 32
+  assert src.counters() == {"truncated_histories": 1, "truncated_tokens": 4}
+
+
+def test_tolerating_policies_count_what_they_did(tmp_path, exported):
+  first = pq.read_table(os.path.join(exported, "train", "part-00000.parquet")).slice(0, 64)
+  clicked = [i for i, (c, v) in enumerate(zip(_col(first, "click"), _col(first, "conversion"))) if c == 1 and v is not None]
+  row = clicked[0]
+
+  def edit(t):
+    t = _set(t, "ad_id", [2000 + i if i < 3 else x for i, x in enumerate(_col(t, "ad_id"))])
+    return _set(t, "click", [7.0 if i == row else x for i, x in enumerate(_col(t, "click"))], pa.float32())
+
+  def policy(d):
+    d["tables"]["ad_id"]["out_of_range"] = "hash"
+    d["bad_labels"] = "mask"
+
+  folder, _ = _write(tmp_path, exported, edit, policy)
+  src = _source(folder)
+  ex = src.block(0, B)
+  assert ((ex.sparse["ad_id"] >= 0) & (ex.sparse["ad_id"] < 2000)).all()
+  assert len(set(ex.sparse["ad_id"][:3].tolist())) == 3  # distinct ids hash apart
+  assert ex.label_mask_nxK[row].tolist() == [0, 0]  # the conversion label hangs off the masked click
+  assert ex.label_mask_nxK.sum() == _source(exported).block(0, B).label_mask_nxK.sum() - 2
+  assert src.counters() == {"hashed_ids/ad_id": 3, "masked_labels/click": 1, "masked_labels/conversion": 1}
+
+
+@pytest.mark.slow
+def test_resume_from_a_checkpoint_in_the_middle_of_a_file_repeats_the_losses(exported, tmp_path):
+  """Checkpoint at step 4 (row 128 of the first 300-row file, shuffled in windows of 96): the resumed run's
+  losses are the uninterrupted run's, bit for bit, and the checkpoint says where in the files it was."""
+  import json
+
+  from gem_jax.train.jobs import train_config
+  cfg = tiny(**{"train.steps": 8, "train.warmup_steps": 1, "train.log_every": 1, "train.checkpoint_every": 4,
+                "train.eval_every": 100})
+  cfg = parquet_source.with_files(cfg, exported)
+  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shuffle_window=96, seed=1))
+  full, part = str(tmp_path / "full"), str(tmp_path / "part")
+  train_config(cfg, full, progress=False, report=False)
+  train_config(cfg, part, progress=False, report=False, stop_after=4)
+  train_config(cfg, part, resume=True, progress=False, report=False)
+  losses = lambda d: {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "loss" in r}
+  assert losses(part) == losses(full) and sorted(losses(full)) == list(range(1, 9))
