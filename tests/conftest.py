@@ -129,12 +129,6 @@ def tiny_cpu8_run(tmp_path_factory):
   return cfg, out, log_path
 
 
-def shared_data_root() -> str:
-  """The shared public datasets: $GEM_JAX_DATA_DIR, or ../shared/data beside the repository."""
-  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return os.environ.get("GEM_JAX_DATA_DIR", os.path.normpath(os.path.join(here, "..", "shared", "data")))
-
-
 @pytest.fixture(scope="session")
 def movielens_prepared(tmp_path_factory):
   """The folder experiments/prepare_movielens.py writes, prepared once per session from the shared data
@@ -142,6 +136,7 @@ def movielens_prepared(tmp_path_factory):
   import fcntl
 
   from gem_jax.data import movielens
+  from tests.data_helpers import shared_data_root
   source = os.path.join(shared_data_root(), "ml-100k", "u.data")
   if not os.path.exists(source):
     pytest.skip(f"MovieLens-100K absent: looked for {source} (set GEM_JAX_DATA_DIR to the shared data root)")

@@ -32,3 +32,10 @@ def make_examples(spec, rng, n, hist_lengths=None):
       labels_nxK=labels,
       label_mask_nxK=mask,
       planted_logits_nxK=rng.normal(size=(n, K)).astype(np.float32))
+
+
+def shared_data_root() -> str:
+  """The shared public datasets: $GEM_JAX_DATA_DIR, or ../shared/data beside the repository."""
+  import os
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return os.environ.get("GEM_JAX_DATA_DIR", os.path.normpath(os.path.join(here, "..", "shared", "data")))

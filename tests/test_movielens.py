@@ -7,8 +7,11 @@ import os
 import numpy as np
 import pytest
 
-from gem_jax.data import movielens
-from tests.conftest import shared_data_root
+from gem_jax import configs
+from gem_jax.config import apply_overrides
+from gem_jax.data import movielens, parquet_source
+from gem_jax.train.jobs import train_config
+from tests.data_helpers import shared_data_root
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +50,6 @@ def test_every_feature_comes_from_strictly_earlier_events(events):
 def test_prepare_splits_by_time_and_the_files_match_the_spec(movielens_prepared):
   info = json.load(open(os.path.join(movielens_prepared, "prepare.json")))
   assert info["rows"] == {"train": 79999, "eval": 20001}
-  from gem_jax import configs
-  from gem_jax.data import parquet_source
   cfg = parquet_source.with_files(configs.get("movielens"), movielens_prepared)
   src = parquet_source.ParquetSource(cfg)
   assert src.steps_per_epoch() == 313 and sum(len(b.example_mask_B) for b in src.eval_batches()) >= 20001
@@ -60,11 +61,15 @@ def test_prepare_splits_by_time_and_the_files_match_the_spec(movielens_prepared)
 
 @pytest.mark.slow
 def test_gem_trains_on_movielens_and_beats_the_base_rate(movielens_prepared, tmp_path):
-  from gem_jax import configs
-  from gem_jax.data import parquet_source
-  from gem_jax.train.jobs import train_config
+  pq = pytest.importorskip("pyarrow.parquet")
+  # Batches of 64 and the first 4,096 evaluation rows (the suite's XLA flags make every step slow), one bucket.
+  os.makedirs(tmp_path / "eval")
+  first = pq.read_table(os.path.join(movielens_prepared, "eval", "part-00000.parquet")).slice(0, 4096)
+  pq.write_table(first, str(tmp_path / "eval" / "part-00000.parquet"))
   cfg = configs.with_steps(parquet_source.with_files(configs.get("movielens"), movielens_prepared), 60)
-  summary = train_config(cfg, str(tmp_path), progress=False, report=False)
+  cfg = apply_overrides(cfg, ["data.pipeline.history_bucket_fractions=1.0", "data.pipeline.batch_size=64",
+                             f"data.eval={tmp_path / 'eval'}"])
+  summary = train_config(cfg, str(tmp_path / "run"), progress=False, report=False)
   like = summary["tasks"]["like"]
-  assert like["eval_count"] == 20001 and like["eval_auc"] > 0.65 and like["eval_ne"] < like["baseline_ne"]
+  assert like["eval_count"] == 4096 and like["eval_auc"] > 0.65 and like["eval_ne"] < like["baseline_ne"], like
   assert summary["input_counters"] == {}

@@ -255,3 +255,10 @@ def test_resume_from_a_checkpoint_in_the_middle_of_a_file_repeats_the_losses(exp
   train_config(cfg, part, resume=True, progress=False, report=False)
   losses = lambda d: {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "loss" in r}
   assert losses(part) == losses(full) and sorted(losses(full)) == list(range(1, 9))
+
+
+def test_the_readmes_spec_file_example_parses():
+  text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+  start = text.index("```yaml\ntables:") + len("```yaml\n")
+  loaded = spec_file.parse(yaml.safe_load(text[start:text.index("```", start)]), "README.md")
+  assert loaded.spec.task_names == ("click", "conversion") and dict(loaded.columns.sparse)["ad_id"] == "candidate_ad"

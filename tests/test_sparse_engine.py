@@ -44,16 +44,24 @@ def _leaves(state):
 
 @pytest.mark.slow
 def test_sparse_engine_matches_the_dense_path_on_one_device():
-  """Same batches, same seed: every loss within 1e-6 relative over 20 steps. After one step the parameters
-  agree to a float32 rounding of a row (the two paths add a row's gradients in different orders); after
-  20 steps, with AdamW's normalisation amplifying such roundings, to 1e-5 of each leaf's largest entry."""
+  """Same batches, same seed: every loss within 1e-6 relative over 20 steps, and the final parameters within
+  1e-6 relative as one vector. After one step the parameters agree to a float32 rounding of a row (the two
+  paths add a row's gradients in different orders); after 20 steps, with AdamW's normalisation amplifying
+  such roundings, each leaf to 1e-5 of its largest entry."""
   runs = {mode: _train(tiny(**{"train.embedding_update": mode}), 20, keep_first=True) for mode in ("dense", "sparse")}
   (_, dense, dense_losses, dm, dense_1), (_, sparse_state, sparse_losses, sm, sparse_1) = runs["dense"], runs["sparse"]
   rel = [abs(a - b) / abs(a) for a, b in zip(dense_losses, sparse_losses)]
   assert max(rel) <= 1e-6, rel
   assert float(sm["grad_norm"]) == pytest.approx(float(dm["grad_norm"]), rel=1e-5)
-  for (path, a), (_, b) in zip(_leaves(dense.params), _leaves(sparse_state.params)):
+  pairs = list(zip(_leaves(dense.params), _leaves(sparse_state.params)))
+  for (path, a), (_, b) in pairs:
     assert np.max(np.abs(a - b)) <= 1e-5 * max(1.0, float(np.max(np.abs(a)))), path
+  # The whole parameter vector (tables included) within 1e-6 relative: 4.1e-7 at the suite's XLA flags,
+  # 3.1e-7 at XLA's defaults, where the dense path against itself compiled with the suite's flags differs
+  # by 8.1e-7 (a few small bias leaves move by 1-5e-6 of their norm in both comparisons).
+  diff = sum(float(np.sum(np.square(a.astype(np.float64) - b))) for (_, a), (_, b) in pairs)
+  norm = sum(float(np.sum(np.square(a.astype(np.float64)))) for (_, a), _ in pairs)
+  assert np.sqrt(diff / norm) <= 1e-6, np.sqrt(diff / norm)
   for (path, a), (_, b) in zip(_leaves(dense.opt_state), _leaves(sparse_state.opt_state)):
     assert a.shape == b.shape and a.dtype == b.dtype, path
     assert np.max(np.abs(a.astype(np.float64) - b), initial=0.0) <= 1e-5 * max(1.0, float(np.max(np.abs(a), initial=0))), path

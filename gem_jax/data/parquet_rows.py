@@ -174,10 +174,11 @@ class Converter:
       out = arr.flatten().to_numpy(zero_copy_only=False).reshape(-1, f.dim)
     else:
       raise DataFileError(f"{file}: column {col!r} must hold floats (dim {f.dim}), has {arr.type}")
-    out32 = out.astype(np.float32)
+    with np.errstate(over="ignore"):  # a float64 past float32's range becomes inf, refused just below
+      out32 = out.astype(np.float32)
     bad = np.flatnonzero(~np.isfinite(out32).all(axis=1))
     if bad.size:
-      fail(col, bad[0], f"non-finite dense value {out[bad[0]].tolist()}")
+      fail(col, bad[0], f"non-finite dense value {out[bad[0]].tolist()} (as float32)")
     return out32
 
   def _labels(self, column, fail, count, n, file):

@@ -67,9 +67,9 @@ def row(s: Scored) -> dict:
 def _cells(label: str, s: Scored) -> list[str]:
   r = row(s)
   big = r["biggest_comm"]
-  return [label, r["axes"], r["intra_node"], r["table_rows"], _ms(s.step_s),
+  return [label, r["axes"], r["intra_node"], r["table_rows"], f"{s.step_s * 1e3:.3f}",
           "-" if s.mfu is None else f"{100 * s.mfu:.1f}%", f"{r['memory_gb']:.1f}",
-          {True: "yes", False: "NO", None: "-"}[s.fits], _ms(s.exposed_s),
+          {True: "yes", False: "NO", None: "-"}[s.fits], "-" if s.exposed_s is None else f"{s.exposed_s * 1e3:.3f}",
           "-" if big is None else f"{big['axes']} {big['ms']:.2f} ms ({big['link']})"]
 
 
@@ -281,7 +281,8 @@ def _unit(largest: float) -> tuple[str, float]:
   return ("GB", 1e9) if largest >= 1e9 else ("MB", 1e6)
 
 
-def _ms(s: float) -> str:
+def _ms_column(s: float) -> str:
+  """Milliseconds to a fixed width, for columns (the prose uses _ms)."""
   return f"{s * 1e3:10.3f}"
 
 
@@ -324,10 +325,10 @@ def simulation_lines(sim: dict, mesh_spec, config: str) -> list[str]:
   for k in order:
     line = f"  {k:<{width}} {by_axis[k] / scale:10.4f}"
     if t is not None:
-      line += f" {_ms(t['comm_s_by_axis'][k])}  {t['bandwidth_by_axis'][k]}"
+      line += f" {_ms_column(t['comm_s_by_axis'][k])}  {t['bandwidth_by_axis'][k]}"
     lines.append(line)
   lines.append(f"  {'total':<{width}} {comm['total'] / scale:10.4f}"
-               + ("" if t is None else f" {_ms(sum(t['comm_s_by_axis'].values()))}"))
+               + ("" if t is None else f" {_ms_column(sum(t['comm_s_by_axis'].values()))}"))
   for note in comm["placement_notes"]:
     lines.append(f"note: {note}")
   return lines
