@@ -214,3 +214,32 @@ def test_dense_gradients_are_clipped_by_their_own_norm_and_no_table_gradient_rea
                                  jax.tree_util.tree_leaves((out[1.0][0], _find(out[1.0][1], optax.ScaleByAdamState)))):
       if "table" not in jax.tree_util.keystr(path):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("steps, warmup, end", [(100, 10, 0.1), (20, 0, 0.5), (7, 1, 1.0)])
+def test_the_schedule_held_in_the_state_is_optaxs_warmup_cosine(steps, warmup, end):
+  cfg = TrainConfig(steps=steps, warmup_steps=warmup, learning_rate=2e-3, end_lr_fraction=end)
+  ref = optax.warmup_cosine_decay_schedule(0.0, 2e-3, warmup, steps, 2e-3 * end)
+  ours = optim.dense_schedule(cfg)
+  for count in range(steps + 3):
+    assert float(ours(count)) == pytest.approx(float(ref(count)), rel=1e-6, abs=1e-12), count
+
+
+def test_runs_that_differ_in_steps_share_a_program_and_a_restore_takes_the_configs_schedule():
+  """The schedule's numbers are state, not constants: two step counts trace to the same jaxpr, and
+  with_schedule puts the optimizer's own numbers into a state carrying another run's (the count stays)."""
+  params = _params()
+  short = optim.make_optimizer(dataclasses.replace(CFG, steps=10, warmup_steps=2), params, Table)
+  long = optim.make_optimizer(dataclasses.replace(CFG, steps=1000, warmup_steps=50), params, Table)
+  pure = nnx.to_pure_dict(params)
+  grads = jax.tree.map(jnp.ones_like, pure)
+  jaxpr = lambda tx: str(jax.make_jaxpr(lambda g, s: tx.update(g, s, pure))(grads, tx.init(pure)))
+  assert jaxpr(short) == jaxpr(long)
+  state = short.init(pure)
+  _, state = jax.jit(short.update)(grads, state, pure)
+  moved = long.with_schedule(state)
+  sched = lambda s: [x for x in jax.tree_util.tree_leaves(s, is_leaf=lambda x: isinstance(x, optim.ScheduleState))
+                     if isinstance(x, optim.ScheduleState)]
+  (before,), (after,) = sched(state), sched(moved)
+  assert float(before.decay_steps) == 10 and float(after.decay_steps) == 1000 and float(after.warmup) == 50
+  assert int(after.count) == int(before.count) == 1

@@ -21,9 +21,10 @@ class and `@register(ThatConfig)` in one new file (tests/test_run.py registers o
   counters()                  {name: count} of what a tolerating input policy did (hashed ids, truncated
                               histories, masked labels), reported in the run's summary
 
-BlockBatches: the batch methods of any source of Examples blocks. SyntheticSource, here: the planted-model ads stream (gem_jax/data/synthetic.py) through the grain pipeline
-(gem_jax/data/pipeline.py), with an evaluation set from an index range training never reaches. The
-public next-item datasets are gem_jax/data/seqrec_source.py.
+BlockBatches: the batch methods of any source of Examples blocks. SyntheticSource, here: the planted-model
+ads stream (gem_jax/data/synthetic.py) through the grain pipeline (gem_jax/data/pipeline.py), with an
+evaluation set from an index range training never reaches. Parquet files are gem_jax/data/parquet_source.py,
+the public next-item datasets gem_jax/data/seqrec_source.py.
 """
 
 from __future__ import annotations

@@ -116,8 +116,8 @@ def _lookup(known: dict, pick: Callable[[str, int], Any]) -> Callable[[Any], Any
 # ---- the optimizer ---------------------------------------------------------------------------------
 class ScheduleState(NamedTuple):
   """The dense learning-rate schedule's step count and its numbers. The numbers ride in the state, not in
-  the compiled step, so runs that differ only in steps, warmup or the learning rates share one compiled
-  program (the persistent compilation cache serves them all); a restore writes the config's numbers back
+  the compiled step, so runs that differ only in steps, warmup or the dense learning rate share one
+  compiled program (the persistent compilation cache serves them all); a restore writes the config's numbers back
   (`Optimizer.with_schedule`), so a resumed run follows its own config's schedule."""
   count: Any
   peak: Any
