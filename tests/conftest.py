@@ -70,6 +70,25 @@ def pytest_collection_modifyitems(config, items):
   items[:] = [item for _, (item, _) in order]
 
 
+def pytest_configure(config):
+  """Stops a `--dist loadgroup` run that cannot group. xdist's workers tag a grouped test by rewriting
+  `item._nodeid` to "<id>@<group>", and the scheduler groups by that suffix; a pytest whose Node.nodeid reads
+  another attribute (9.2, with xdist 3.8) silently splits every group, so each worker rebuilds the shared
+  fixtures (minutes of CI) with nothing saying why."""
+  if getattr(config.option, "dist", "no") != "loadgroup":
+    return
+  import types
+  probe = types.SimpleNamespace(_nodeid="t.py::t@group", _id="t.py::t")
+  try:
+    tagged = pytest.Item.nodeid.fget(probe) == probe._nodeid
+  except Exception:
+    tagged = False
+  if not tagged:
+    raise pytest.UsageError(f"pytest {pytest.__version__} does not keep the test ids pytest-xdist rewrites, so "
+                            f"--dist loadgroup would split every group: install the pytest that pyproject.toml's "
+                            f"test extra pins (pip install -e '.[test]')")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory):
   """One persistent compilation cache for the whole test session (unless one is set already): a program

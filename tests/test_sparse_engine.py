@@ -121,6 +121,24 @@ def test_the_sparse_step_holds_nothing_table_sized_but_the_tables_and_their_stat
   assert dense_ops - allowed, dense_ops  # the check sees the dense gradient's ops
 
 
+def test_on_one_device_a_table_with_no_more_rows_than_ids_skips_the_sort():
+  """The size rule (table_update.dense_rows): on one device a table of V <= N rows (N: the ids its lookups
+  read in a step) is updated from its scatter-added V x E gradient, so its update scope holds no sort; a
+  larger table deduplicates its ids with one. tiny has tables on both sides of the rule."""
+  run = build(tiny(**{"train.embedding_update": "sparse"}))
+  batch = run.device_batch(next(run.source.train_iterator()))
+  local = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
+  ids: dict[str, int] = {}
+  for table, n in table_update.lookup_calls(run.graphdef, run.rest, run.task, run.state.params, local):
+    ids[table] = ids.get(table, 0) + n
+  rows = {t.name: t.vocab_size for t in run.cfg.data.spec.tables}
+  dense = {t for t in ids if table_update.dense_rows(rows[t], ids[t])}
+  assert dense and set(ids) - dense, (rows, ids)
+  text = run.train_step.lower(run.state, batch).compile().as_text()
+  sorts = {t for t in ids if re.search(rf"sort\(.*op_name=\"[^\"]*table={t}/", text)}
+  assert sorts == set(ids) - dense, (sorts, dense)
+
+
 @pytest.mark.parametrize("name", table_optim.RULES)
 def test_a_row_rule_on_touched_rows_equals_its_dense_form(name):
   """_apply_rows on the touched rows gives bit for bit what the rule's optax form gives on the V x E

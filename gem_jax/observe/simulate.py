@@ -280,8 +280,8 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
       if not sparse_engine:
         comm.ring("embedding_backward", "all-to-all", axes, row)
   if sparse_engine:
-    from gem_jax.run import table_update
-    for kind, axes, full in table_update.sync_collectives(shapes.lookups(b), p.table_axes, spec, shape, shards,
+    from gem_jax.observe import table_sync
+    for kind, axes, full in table_sync.sync_collectives(shapes.lookups(b), p.table_axes, spec, shape, shards,
                                                           capacity_slack, _capacity):
       comm.ring("embedding_update", kind, axes, full)
 

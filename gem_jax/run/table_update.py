@@ -17,7 +17,9 @@ train.embedding_update = "sparse"; "dense" keeps the V x E gradient as the refer
           unique + segment sum, as FBGEMM's TBE backward), rows sent to their owner over all-to-all
           (sparse.send_to_owners; a table sharded over `sparse` or `fsdp x sparse`), merged again across
           copies of the table on other data axes, and the row rule (gem_jax/run/table_optim.py) applied to
-          the touched rows only: gather rows and slots, update, scatter into the donated table.
+          the touched rows only: gather rows and slots, update, scatter into the donated table. On one
+          device, a table with no more rows than the ids it reads (`dense_rows`: the small tables of an
+          ads batch) skips the sort: its rows' V x E scatter-add and the rule on the rows it touched.
 
 Copies of a table on other data axes (rows over `sparse` while `fsdp`/`replica` > 1, or a replicated
 table) must end the step identical. For n copies and U touched rows per copy, all-gathering (ids, rows)
@@ -38,7 +40,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -136,6 +137,26 @@ def _apply_rows(rule, block_VxE, slots, uniq_U, g_UxE, write_U, count):
   return block_VxE, slots
 
 
+def dense_rows(num_rows: int, ids: int) -> bool:
+  """The size rule for a table on one device: its V x E gradient (the scatter-add of the ids' rows, as the
+  dense path builds it) and an update of all V rows when V <= N, the ids it reads in a step. The sort that
+  deduplicates N ids then costs more than touching every row (the action, hour or category tables of an
+  ads batch: 4 to 5,000 rows against ~10^4 history ids)."""
+  return num_rows <= ids
+
+
+def _dense_rows(ids_N, g_NxE, num_rows: int, parts: tuple[int, ...]):
+  """The V x E gradient of one table from its lookup calls' ids and row cotangents, each call scattered on
+  its own and the calls added last first (JAX's backward order: the dense path's sums, bit for bit)."""
+  index_N = jnp.where((ids_N >= 0) & (ids_N < num_rows), ids_N, num_rows)  # out of range: dropped
+  bounds = list(itertools.accumulate(parts, initial=0))
+  grad_VxE = None
+  for lo, hi in reversed(list(zip(bounds[:-1], bounds[1:]))):
+    part = jnp.zeros((num_rows, g_NxE.shape[1]), g_NxE.dtype).at[index_N[lo:hi]].add(g_NxE[lo:hi], mode="drop")
+    grad_VxE = part if grad_VxE is None else grad_VxE + part
+  return grad_VxE
+
+
 def dense_sync(num_rows: int, dim: int, ids: int, copies: int) -> bool:
   """The size rule for a table replicated over `copies` devices of the data axes: a ring all-reduce of its
   V x E gradient (2 (n - 1) / n V E words per device) when that is no more than all-gathering every copy's
@@ -202,6 +223,16 @@ def update_tables(rule, p, names, blocks, slots, ids_by_call, cots_by_call, call
       g_NxE = jnp.concatenate([cots_by_call[i] for i in mine]).astype(jnp.float32)
       v, e = num_rows[name], g_NxE.shape[1]
       caps = sync_caps.get(name, {})
+      own = spmd.active_axes(mesh, p.table_axes.get(name, ()))
+      if not active and dense_rows(v, ids_N.shape[0]):  # one device: a small table takes the scatter-add
+        grad_VxE = _dense_rows(ids_N, g_NxE, v, tuple(calls[i][1] for i in mine))
+        sq = sq + jnp.sum(jnp.square(grad_VxE))
+        hit_V = jnp.zeros((v,), jnp.int32).at[jnp.where((ids_N >= 0) & (ids_N < v), ids_N, v)].add(1, mode="drop")
+        stats[f"emb/{name}/unique"] = jnp.sum(hit_V > 0, dtype=jnp.int32).astype(jnp.float32)
+        stats[f"emb/{name}/touched"] = jnp.sum(jnp.any(grad_VxE != 0, axis=1), dtype=jnp.int32)
+        stats[f"emb/{name}/update_slots"] = jnp.float32(v)
+        merged[name] = ("dense", grad_VxE)
+        continue
       uniq_U, g_UxE = _merge_rows(ids_N, g_NxE, v, tuple(calls[i][1] for i in mine))
       # At most V distinct ids, first in the sorted slots: the rest are always empty.
       uniq_U, g_UxE = uniq_U[:v], g_UxE[:v]
@@ -214,7 +245,6 @@ def update_tables(rule, p, names, blocks, slots, ids_by_call, cots_by_call, call
         ideal += 2.0 * (n_ct - 1) / n_ct * n_unique.astype(jnp.float32) * e * 4
       # Per data shard (devices along context / tensor hold the same shard: counted once).
       stats[f"emb/{name}/unique"] = mean(n_unique.astype(jnp.float32))
-      own = spmd.active_axes(mesh, p.table_axes.get(name, ()))
       block = blocks[t]
       if own:
         rows_per_owner = v // math.prod(mesh.shape[a] for a in own)
@@ -289,58 +319,6 @@ def update_tables(rule, p, names, blocks, slots, ids_by_call, cots_by_call, call
     for k in range(len(slots)):
       new_slots[k][t] = out[k]
   return new_blocks, [list(s) for s in new_slots], sq, finite, stats
-
-
-def _worst(counts: list[int], groups: int, slack: float, cap: int) -> int:
-  """slack x the largest of `groups` counts like `counts` (the sample's; with more groups than samples,
-  mu + sqrt(2 ln(groups) mu), as gem_jax/observe/simulate.py extrapolates its capacities), at most `cap`."""
-  if groups <= len(counts):
-    worst = float(max(counts[:groups]))
-  else:
-    mu = float(np.mean(counts))
-    worst = mu + math.sqrt(2.0 * math.log(max(groups, 2)) * mu)
-  return int(max(1, min(cap, math.ceil(round(slack * worst, 9)))))
-
-
-def sync_collectives(calls, table_axes, spec, shape, shards: int, slack: float, capacity) -> list:
-  """[(kind, axes, full bytes)] of the update's collectives on a mesh of axis sizes `shape` with `shards`
-  data shards, from sample shards' ids of the lookup calls (gem_jax/observe/simulate.py's model of this
-  module: its embedding_update part). capacity(ids_SxN, rows, owners, shards, slack): the simulator's
-  owner-slot estimate."""
-  out = []
-  by_table: dict[str, list[np.ndarray]] = {}
-  for key, ids_SxN in calls:
-    by_table.setdefault(key.rsplit("/", 1)[0], []).append(np.asarray(ids_SxN).reshape(len(ids_SxN), -1))
-  copy_ct = [a for a in COPY_AXES if shape[a] > 1]
-  for table, parts in by_table.items():
-    v, e = spec.table(table).vocab_size, spec.table(table).dim
-    ids_SxN = np.concatenate(parts, axis=1)
-    n = ids_SxN.shape[1]
-    uniq = [np.unique(row[(row >= 0) & (row < v)]) for row in ids_SxN]
-    c_u = _worst([u.size for u in uniq], shards, slack, n)
-    out.append(("all-reduce", copy_ct, c_u * e * 4))
-    own = [a for a in table_axes.get(table, ()) if shape[a] > 1]
-    copies = [a for a in DATA_AXES if shape[a] > 1 and a not in own]
-    n_copies = math.prod(shape[a] for a in copies)
-    if own:
-      owners = math.prod(shape[a] for a in own)
-      c_o = capacity(ids_SxN, v, owners, shards, slack)
-      out.append(("all-to-all", own, owners * c_o * (e + 1) * 4))
-      # Distinct ids one owner receives from the `owners` shards it serves: unions of that many sample
-      # shards where there are enough, else each shard's share (an upper bound: unions overlap).
-      rows = v // owners
-      if owners <= len(uniq):
-        counts = [int(np.bincount(np.unique(np.concatenate(uniq[i:i + owners])) // rows, minlength=owners).max())
-                  for i in range(0, len(uniq) - owners + 1, owners)]
-      else:
-        counts = [int(np.unique(np.concatenate(uniq)).size / len(uniq))]
-      c_r = _worst(counts, shards // owners, slack, owners * c_o)
-      out.append(("all-gather", copies, n_copies * c_r * (e + 1) * 4))
-    elif copies and dense_sync(v, e, n, n_copies):
-      out.append(("all-reduce", copies, v * e * 4))
-    else:
-      out.append(("all-gather", copies, n_copies * c_u * (e + 1) * 4))
-  return out
 
 
 def row_bytes(params, optimizer, opt_state) -> dict[str, float]:
