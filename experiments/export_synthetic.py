@@ -4,6 +4,8 @@
   python experiments/train.py --config tiny --data runs/tiny_parquet --out runs/tiny_from_files
 
 The second command trains on the files the first wrote: same batches, same losses as the stream itself.
+With --readers R the rows are laid out so that a run with data.readers=R (R processes, one reader each, or
+one process with --set data.readers=R) reads the stream's batches too.
 """
 
 import argparse
@@ -17,13 +19,14 @@ def main(argv=None) -> int:
   p.add_argument("--out", required=True, help="folder for spec.yaml, train/ and eval/")
   p.add_argument("--rows-per-file", type=int, default=1 << 20)
   p.add_argument("--row-group-rows", type=int, default=65536)
+  p.add_argument("--readers", type=int, default=1, help="lay the rows out for this many readers (data.readers)")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
   args = p.parse_args(argv)
   from gem_jax import configs
   from gem_jax.config import apply_overrides
   from gem_jax.data import export
   cfg = apply_overrides(configs.get(args.config), args.set)
-  rows = export.export_synthetic(cfg, args.out, args.examples, rows_per_file=args.rows_per_file,
+  rows = export.export_synthetic(cfg, args.out, args.examples, readers=args.readers, rows_per_file=args.rows_per_file,
                                  row_group_rows=args.row_group_rows)
   print(json.dumps({"out": args.out, "rows": rows}))
   return 0

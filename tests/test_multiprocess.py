@@ -1,5 +1,12 @@
 """Multi-process training: 2 processes x 4 CPU devices train exactly what 1 process x 8 devices trains.
 
+The two processes read Parquet files, each only its own rows (data.readers defaults to one reader per
+process: gem_jax/data/parquet_source.py), agreeing on each step's history capacity and label counts over the
+coordination service (gem_jax/parallel/host_exchange.py). The files hold the one-process run's synthetic
+stream laid out for two readers (export_synthetic(readers=2)), so both runs see the same examples in every
+step and only the order of floating-point additions may differ. The evaluation set is read whole by every
+process and placed as a global batch, the synthetic stream's way.
+
 The one-process run also writes the efficiency report, which is checked like a user's cpu_8 run.
 
 The two processes are experiments/train.py subprocesses on meshes/cpu_8.yaml (fsdp spans them), with their
@@ -19,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gem_jax.data import export
 from gem_jax.parallel import distributed
 from gem_jax.parallel.distributed import ProcessSetup
 from tests.run_helpers import CPU8_SETS, check_run_report, child_env
@@ -78,10 +86,14 @@ def _records(out: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_processes_train_what_one_process_trains(tmp_path, tiny_cpu8_run):
-  _, one, one_log = tiny_cpu8_run  # the reference, with the efficiency report as a user's run has it
+  cfg, one, one_log = tiny_cpu8_run  # the reference, with the efficiency report as a user's run has it
+  files = tmp_path / "files"
+  rows = export.export_synthetic(cfg, str(files), STEPS * cfg.data.pipeline.batch_size, readers=2)
+  assert rows == {"train": STEPS * cfg.data.pipeline.batch_size, "eval": SETS["train.eval_examples"]}
   two = tmp_path / "two"
   port = _free_port()
-  multi = ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--local-devices", "4"]
+  multi = ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--local-devices", "4",
+           "--data", str(files)]
   _wait_all([_launch(two, tmp_path / f"two_p{i}.log", *multi, "--process-id", str(i), "--no-report")
              for i in (0, 1)])
   check_run_report(one, num_devices=8, log=one_log)
@@ -106,6 +118,11 @@ def test_two_processes_train_what_one_process_trains(tmp_path, tiny_cpu8_run):
     np.testing.assert_allclose(s_got["tasks"][task]["eval_ne"], s_want["tasks"][task]["eval_ne"],
                                rtol=1e-5, equal_nan=True)
   assert np.isfinite(s_got["tasks"]["click"]["eval_ne"])
+  # The label counts behind the summary (base rates) are the whole step's: each process counted its own rows.
+  for task, numbers in s_want["tasks"].items():
+    for key, value in numbers.items():
+      if isinstance(value, (int, float)):
+        np.testing.assert_allclose(s_got["tasks"][task][key], value, rtol=1e-5, equal_nan=True, err_msg=f"{task}.{key}")
 
   # Both processes took part in every save (orbax commits a step only once all of them have written).
   assert sorted(os.listdir(two / "checkpoints")) == ["4", "8"]

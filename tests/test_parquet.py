@@ -262,3 +262,49 @@ def test_the_readmes_spec_file_example_parses():
   start = text.index("```yaml\ntables:") + len("```yaml\n")
   loaded = spec_file.parse(yaml.safe_load(text[start:text.index("```", start)]), "README.md")
   assert loaded.spec.task_names == ("click", "conversion") and dict(loaded.columns.sparse)["ad_id"] == "candidate_ad"
+
+
+# ---- readers: each process reads its own rows ------------------------------------------------------------
+def _keys(ex) -> list[bytes]:
+  """One key per example: its dense features and planted logits (float32, distinct for every row here)."""
+  return [a.tobytes() + b.tobytes() for a, b in zip(ex.dense_nxG, ex.planted_logits_nxK)]
+
+
+@pytest.mark.parametrize("window", [0, 96])
+def test_two_readers_read_every_example_of_an_epoch_exactly_once(exported, window):
+  """data.readers=2: the two readers' pieces of one epoch hold every row once between them, none twice;
+  unshuffled, they open row groups that meet only at the edge of their ranges (640 rows, groups of 100)."""
+  everything = _keys(_source(exported).block(0, 640))
+  assert len(set(everything)) == 640
+  seen, opened = {}, {}
+  for r in (0, 1):
+    src = _source(exported, readers=2, shuffle_window=window, seed=1)  # one process's own reader (and cache)
+    assert src.steps_per_epoch() == 20
+    calls, group = [], src.train_groups.group
+    src.train_groups.group = lambda k, group=group: (calls.append(k), group(k))[1]
+    seen[r] = [k for j in range(20) for k in _keys(src.reader_block(r, j))]
+    opened[r] = set(calls)
+    assert len(src.reader_block(r, 20)) == B // 2  # the next epoch starts again
+  assert len(seen[0]) == len(seen[1]) == 320
+  assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == sorted(everything)
+  if window == 0:
+    assert opened[0] & opened[1] == {3} and opened[0] | opened[1] == set(range(7)), opened
+
+
+def test_a_reader_iterator_yields_parts_that_resume_where_they_stopped(exported):
+  src = _source(exported, readers=2)
+  it = src.train_iterator(readers=(1,))
+  for _ in range(5):
+    part = next(it)
+  assert part.readers == (1,) and part.num_readers == 2 and [b.batch_size for b in part.batches] == [B // 2]
+  state = it.get_state()
+  where = state["next_example"]["readers"]  # block 5: rows 80 and 320 + 80 of the files' order
+  assert state["next_block"] == 5 and [(os.path.basename(w["file"]), w["row"]) for w in where] == [
+      ("part-00000.parquet", 80), ("part-00001.parquet", 100)]
+  again = _source(exported, readers=2).train_iterator(readers=(1,))
+  again.set_state(state)
+  for x, y in zip(jax.tree_util.tree_leaves(next(again).batches), jax.tree_util.tree_leaves(next(it).batches),
+                  strict=True):
+    assert np.array_equal(x, y, equal_nan=True)
+  with pytest.raises(ValueError, match="does not divide data.pipeline.batch_size"):
+    _source(exported, readers=3)

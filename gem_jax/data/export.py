@@ -115,14 +115,19 @@ def write_dataset(out: str, spec: FeatureSpec, train_blocks: Iterable[Examples],
           "eval": write_split(os.path.join(out, "eval"), eval_blocks, spec, columns, **kw)}
 
 
-def export_synthetic(cfg, out: str, examples: int, **kw) -> dict:
+def export_synthetic(cfg, out: str, examples: int, *, readers: int = 1, **kw) -> dict:
   """The synthetic stream of `cfg` (a config whose data is the synthetic source) as Parquet: training blocks
   0, 1, ... of the config's batch size (whole blocks, at least `examples` rows) and the evaluation set the
-  synthetic source evaluates on. A Parquet run of the same config (shuffle off) reads the same batches."""
+  synthetic source evaluates on. A Parquet run of the same config (shuffle off) reads the same batches;
+  with `readers` R, the rows are laid out for data.readers = R (reader r's range holds the r-th B / R rows of
+  every block, in block order), so that run reads them."""
   from gem_jax.data.sources import EVAL_START_INDEX, SyntheticSource
   source = SyntheticSource(cfg)
   B = source.batch_size
-  train = (source.block(i, B) for i in range(-(-examples // B)))
+  if readers < 1 or B % readers:
+    raise ValueError(f"readers={readers} must be >= 1 and divide the batch size {B}")
+  blocks, b = range(-(-examples // B)), B // readers
+  train = (source.block(i, B).slice(r * b, (r + 1) * b) for r in range(readers) for i in blocks)
   full, rest = divmod(cfg.train.eval_examples, B)
   evals = [source.block(EVAL_START_INDEX + i, B) for i in range(full)]
   if rest:

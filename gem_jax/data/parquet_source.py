@@ -20,6 +20,14 @@ and the grain iterator's block counter (saved in checkpoints) resumes at the exa
 (`position(i)` names that example's file, row group and row). Memory: the row groups of the windows in use
 (a small cache), never the dataset.
 
+Readers (data.readers = R, 0: one per process). An epoch's positions split into R contiguous ranges
+[r N / R, (r + 1) N / R); training block i is reader r's rows [i b, (i + 1) b) of its range for every r
+(b = B / R, each piece padded on its own), and reader r's rows fill data shards [r S / R, (r + 1) S / R)
+(gem_jax/data/shards.py Part). A process reads only the readers of its own data shards, so P processes with
+R = P read disjoint rows and, with the files' order, row groups that meet only at the ranges' edges. The
+examples of a step depend on R, never on the process count: one process with data.readers=P trains what P
+processes train. R = 1 is the order above (the file order, or its shuffle).
+
 Bad input is checked row group by row group, with the file, the row and the column in every error
 (gem_jax/data/parquet_rows.py); `counters()` says what a tolerating policy did.
 
@@ -42,6 +50,7 @@ from gem_jax.data import pipeline, spec_file
 from gem_jax.data.batch import Examples
 from gem_jax.data.parquet_rows import Converter, DataFileError, take
 from gem_jax.data.pipeline import PipelineConfig
+from gem_jax.data.shards import Part
 from gem_jax.data.sources import BlockBatches, register
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +65,12 @@ class ParquetDataConfig:
   shuffle_window: int = 0
   seed: int = 0
   history: bool = True  # False: every row's history is empty (the ablation "GEM without the sequence")
+  readers: int = 0      # training readers (module docstring: Readers); 0: one per process
 
   def __post_init__(self):
-    if self.shuffle_window < 0:
-      raise ValueError(f"data.shuffle_window must be >= 0, got {self.shuffle_window}")
+    for name in ("shuffle_window", "readers"):
+      if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+        raise ValueError(f"data.{name} must be an integer >= 0, got {getattr(self, name)!r}")
 
   @property
   def spec_path(self) -> str:
@@ -193,6 +204,14 @@ class ParquetSource(BlockBatches):
     self.order = EpochOrder(self.train_groups, data.shuffle_window, data.seed)
     self._eval_where = data.eval or os.path.join(data.path, "eval")
     self._eval = None
+    if data.readers:
+      self.num_readers = data.readers
+    else:
+      import jax
+      self.num_readers = jax.process_count()
+    if self.batch_size % self.num_readers:
+      raise ValueError(f"data.readers={self.num_readers} does not divide data.pipeline.batch_size="
+                       f"{self.batch_size}: every reader fills batch_size / readers rows of a step")
 
   # Block i of `size` rows: epoch i // blocks-per-epoch, rows [j size, (j + 1) size) of its order.
   def _span(self, index: int, size: int) -> tuple[int, int, int]:
@@ -207,14 +226,44 @@ class ParquetSource(BlockBatches):
     epoch, start, stop = self._span(index, size)
     return self.train_groups.read(*self.order.rows(epoch, start, stop))
 
-  def position(self, index: int) -> dict:
-    """Where training block `index` starts: epoch, file, row group and row (in the file)."""
-    epoch, start, _ = self._span(index, self.batch_size)
-    order, rows = self.order.rows(epoch, start, start + 1)
-    return {"epoch": epoch, **self.train_groups.locate(order, int(rows[0]))}
+  # Reader r's piece of block i: rows [i b, (i + 1) b) of its range (module docstring: Readers).
+  def _reader_span(self, reader: int, index: int) -> tuple[int, int, int]:
+    N, R = self.train_groups.num_rows, self.num_readers
+    b, lo, hi = self.batch_size // R, reader * N // R, (reader + 1) * N // R
+    epoch, j = divmod(int(index), self.steps_per_epoch())
+    return epoch, min(hi, lo + j * b), min(hi, lo + (j + 1) * b)
 
-  def train_iterator(self):
-    return _Iterator(self)
+  def reader_block(self, reader: int, index: int) -> Examples:
+    """Reader `reader`'s rows of training block `index` (fewer than B / R at an epoch's end, maybe none)."""
+    epoch, start, stop = self._reader_span(reader, index)
+    order, rows = self.order.rows(epoch, start, stop)
+    if not len(rows):
+      return take(self.train_groups.group(int(order[0])), np.zeros(0, np.int64))
+    return self.train_groups.read(order, rows)
+
+  def position(self, index: int) -> dict:
+    """Where training block `index` starts: epoch, file, row group and row (in the file); with several
+    readers, where each reader's piece starts (None for a reader with no rows left in that epoch)."""
+    if self.num_readers == 1:
+      epoch, start, _ = self._span(index, self.batch_size)
+      order, rows = self.order.rows(epoch, start, start + 1)
+      return {"epoch": epoch, **self.train_groups.locate(order, int(rows[0]))}
+    where = []
+    for r in range(self.num_readers):
+      epoch, start, stop = self._reader_span(r, index)
+      order, rows = self.order.rows(epoch, start, min(stop, start + 1))
+      where.append(self.train_groups.locate(order, int(rows[0])) if len(rows) else None)
+    return {"epoch": epoch, "readers": where}
+
+  def train_iterator(self, readers: tuple[int, ...] | None = None):
+    """Training batches: Batches of B rows with one reader; with several, a Part per step holding the
+    pieces of `readers` (default all; build.Run.train_iterator passes this process's)."""
+    if self.num_readers == 1 and readers in (None, (0,)):
+      return _Iterator(self)
+    readers = tuple(range(self.num_readers)) if readers is None else tuple(readers)
+    if not readers or any(not 0 <= r < self.num_readers for r in readers):
+      raise ValueError(f"readers {readers} are not a choice of the {self.num_readers} readers")
+    return _Iterator(self, readers)
 
   def eval_batches(self, split: str = "eval") -> list:
     if split != "eval":
@@ -227,19 +276,37 @@ class ParquetSource(BlockBatches):
     return self._eval
 
   def steps_per_epoch(self) -> int:
-    return -(-self.train_groups.num_rows // self.batch_size)
+    N, R = self.train_groups.num_rows, self.num_readers
+    largest = -(-N // R)  # rows of the longest reader range
+    return -(-largest // (self.batch_size // R))
 
   def counters(self) -> dict[str, int]:
     return dict(sorted(self.converter.counters.items()))
 
 
-class _Iterator:
-  """The grain pipeline over a ParquetSource, with a state that also says where it is in the files: resuming
-  checks the files still hold that example there (a changed dataset fails loudly instead of shifting)."""
+class _PackReaders:
+  """grain map: block index -> the Part of `readers` (each reader's piece packed at B / R rows)."""
 
-  def __init__(self, source: ParquetSource):
+  def __init__(self, source: ParquetSource, readers: tuple[int, ...]):
+    self.source, self.readers = source, readers
+    self.pipe = dataclasses.replace(source.pipe, batch_size=source.batch_size // source.num_readers)
+
+  def __call__(self, index: int) -> Part:
+    src = self.source
+    return Part(self.readers, src.num_readers,
+                tuple(pipeline.pack(src.reader_block(r, int(index)), src.spec, self.pipe) for r in self.readers))
+
+
+class _Iterator:
+  """The grain pipeline over a ParquetSource (whole blocks, or the Parts of some readers), with a state that
+  also says where it is in the files: resuming checks the files still hold that example there (a changed
+  dataset fails loudly instead of shifting). Every process's state is the same (block counter, and the
+  position of every reader), so process 0's checkpoint resumes them all."""
+
+  def __init__(self, source: ParquetSource, readers: tuple[int, ...] | None = None):
     self.source = source
-    self._it = pipeline.make_iterator(source, source.spec, source.pipe)
+    self._it = (pipeline.make_iterator(source, source.spec, source.pipe) if readers is None else
+                pipeline.indexed_iterator(_PackReaders(source, readers), source.pipe))
     self._next = 0
 
   def __iter__(self):

@@ -179,8 +179,17 @@ def train_dataset(source: BlockSource, spec: FeatureSpec, cfg: PipelineConfig, *
   _check_source(source, spec)
   if start_index < 0:
     raise ValueError(f"start_index must be >= 0, got {start_index}")
-  ds = grain.MapDataset.range(start_index, _STREAM_END).map(_PackBlock(source, spec, cfg))
-  return ds.to_iter_dataset(_read_options(cfg))
+  return _indexed(_PackBlock(source, spec, cfg), cfg, start_index)
+
+
+def _indexed(fn, cfg: PipelineConfig, start_index: int = 0) -> grain.IterDataset:
+  return grain.MapDataset.range(start_index, _STREAM_END).map(fn).to_iter_dataset(_read_options(cfg))
+
+
+def indexed_iterator(fn, cfg: PipelineConfig) -> grain.DatasetIterator:
+  """An endless iterator whose record i is fn(i), read by cfg's grain threads with its prefetch; its state
+  (JSON) is a batch counter, as make_iterator's."""
+  return iter(_indexed(fn, cfg))
 
 
 def make_iterator(source: BlockSource, spec: FeatureSpec, cfg: PipelineConfig, *, start_index: int = 0,

@@ -96,17 +96,17 @@ def pack_jagged(values: np.ndarray, offsets: np.ndarray, rows_Sxb: np.ndarray, c
 
 
 def shard_batch(batch: Batch, spec: FeatureSpec, cfg: PipelineConfig, num_shards: int,
-                rows_Sxb: np.ndarray | None = None) -> Batch:
+                rows_Sxb: np.ndarray | None = None, history_capacity: int | None = None) -> Batch:
   """A host (numpy) global Batch -> a Batch whose every leaf has a leading dim of `num_shards`.
 
   rows_Sxb: the assignment to use (default: cost balanced on the history lengths). The local history
-  capacity is the smallest bucket of the pipeline's schedule at b rows that holds the fullest shard;
-  multi-hot capacities are b * max_ids, as in the pipeline.
+  capacity is the smallest bucket of the pipeline's schedule at b rows that holds the fullest shard (or
+  `history_capacity`); multi-hot capacities are b * max_ids, as in the pipeline.
   """
   B = batch.batch_size
   if B % num_shards:
     raise ValueError(f"batch of {B} rows does not split into {num_shards} data shards (replica x fsdp x sparse)")
-  if num_shards == 1 and rows_Sxb is None:  # nothing to assign or re-pack
+  if num_shards == 1 and rows_Sxb is None and history_capacity is None:  # nothing to assign or re-pack
     return jax.tree_util.tree_map(lambda x: np.asarray(x)[None], batch)
   lengths = np.diff(np.asarray(batch.history.offsets))
   if rows_Sxb is None:
@@ -119,7 +119,7 @@ def shard_batch(batch: Batch, spec: FeatureSpec, cfg: PipelineConfig, num_shards
     values, offsets = _jagged_rows(batch.multi_hot[f.name])
     multi_hot[f.name] = pack_jagged(values, offsets, rows_Sxb, local_cfg.multi_hot_capacity(f), None, f.name)
   values, offsets = _jagged_rows(batch.history)
-  history = pack_jagged(values, offsets, rows_Sxb, None, local_cfg.history_buckets(spec), "history")
+  history = pack_jagged(values, offsets, rows_Sxb, history_capacity, local_cfg.history_buckets(spec), "history")
   return Batch(
       sparse={k: take(v) for k, v in batch.sparse.items()},
       multi_hot=multi_hot,
@@ -132,16 +132,69 @@ def shard_batch(batch: Batch, spec: FeatureSpec, cfg: PipelineConfig, num_shards
       planted_logits_BxK=take(batch.planted_logits_BxK))
 
 
-def place(sharded: Batch, mesh, data_axes: tuple[str, ...]) -> Batch:
+def place(sharded: Batch, mesh, data_axes: tuple[str, ...], shard_ids: list[int] | None = None,
+          num_shards: int | None = None) -> Batch:
   """Puts a sharded host Batch on the mesh, leading dim over `data_axes`, replicated over the others.
 
   Built with make_array_from_callback, so in a multi-process run each process transfers only the data
-  shards of its own devices.
+  shards of its own devices. shard_ids: which of the `num_shards` data shards the leading dim holds (a
+  process's Part); default all of them, in order.
   """
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(data_axes))
+  at = None if shard_ids is None else {d: i for i, d in enumerate(shard_ids)}
 
   def put(x):
     x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    if at is None:
+      return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    def local(index):
+      start, stop, _ = index[0].indices(num_shards)
+      missing = [d for d in range(start, stop) if d not in at]
+      if missing:
+        raise ValueError(f"data shards {missing} are on this process's devices, but its Part holds {shard_ids}")
+      return x[[at[d] for d in range(start, stop)]][(slice(None),) + tuple(index[1:])]
+
+    return jax.make_array_from_callback((num_shards,) + x.shape[1:], sharding, local)
 
   return jax.tree_util.tree_map(put, sharded)
+
+
+def local_data_shards(mesh, num_shards: int, data_axes: tuple[str, ...]) -> list[int]:
+  """The data shards whose devices this process holds (all of them in a one-process run)."""
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(data_axes))
+  out = set()
+  for index in sharding.addressable_devices_indices_map((num_shards,)).values():
+    out.update(range(*index[0].indices(num_shards)[:2]))
+  return sorted(out)
+
+
+# ---- a process's share of a step: the pieces of some readers (gem_jax/data/parquet_source.py) ------------
+@dataclasses.dataclass(frozen=True)
+class Part:
+  """The pieces of `readers` (of num_readers) of one training step, each a Batch of B / R rows; reader r's
+  rows fill data shards [r S / R, (r + 1) S / R)."""
+  readers: tuple[int, ...]
+  num_readers: int
+  batches: tuple[Batch, ...]
+
+
+def shard_part(part: Part, spec: FeatureSpec, cfg: PipelineConfig, num_shards: int,
+               agree=lambda tokens: tokens) -> tuple[Batch, list[int]]:
+  """A Part -> (its data shards stacked on a leading dim, their shard ids). Each reader's rows are balanced
+  over its own S / R shards (so the shards do not depend on which process holds which reader); the history
+  capacity is the bucket of the fullest shard of the whole step: agree(this Part's fullest) must return the
+  largest over every process's Part (one process: the identity)."""
+  R = part.num_readers
+  if num_shards % R:
+    raise ValueError(f"data.readers={R} does not divide the mesh's {num_shards} data shards "
+                     "(replica x fsdp x sparse): every reader fills whole shards")
+  per = num_shards // R
+  rows = [assign_rows(row_costs(np.diff(np.asarray(b.history.offsets))), per) for b in part.batches]
+  fullest = max(int(np.diff(np.asarray(b.history.offsets))[r].sum(axis=1).max()) for b, r in zip(part.batches, rows))
+  b_cfg = dataclasses.replace(cfg, batch_size=part.batches[0].batch_size)
+  local_cfg = dataclasses.replace(cfg, batch_size=part.batches[0].batch_size // per)
+  capacity = pick_bucket(int(agree(fullest)), local_cfg.history_buckets(spec))
+  shards = [shard_batch(b, spec, b_cfg, per, rows_Sxb=r, history_capacity=capacity) for b, r in zip(part.batches, rows)]
+  stacked = jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *shards)
+  return stacked, [r * per + k for r in part.readers for k in range(per)]

@@ -6,7 +6,8 @@ class and `@register(ThatConfig)` in one new file (tests/test_run.py registers o
   name                        the registry name ("synthetic", "seqrec", ...)
   batch_size                  rows of a training batch
   train_iterator()            an endless iterator of host batches with get_state() / set_state(state) (JSON),
-                              so a checkpoint resumes at the exact batch
+                              so a checkpoint resumes at the exact batch (a source with num_readers > 1
+                              takes readers=... and yields shards.Part: build.Run.train_iterator)
   eval_batches(split)         a finite list of host batches of an evaluation split (splits: eval_splits)
   first_batch()               a training batch with the run's shapes (placement, capacities, abstract traces)
   sample(rows, index)         a batch of `rows` training examples (the simulator's lookup samples)
@@ -74,6 +75,8 @@ class BlockBatches:
     return shards.shard_batch(batch, self.spec, self.pipe, num_shards)
 
   def lengths(self, batch, real: bool = True) -> np.ndarray:
+    if isinstance(batch, shards.Part):  # a process's readers (gem_jax/data/parquet_source.py): its rows only
+      return np.concatenate([self.lengths(b, real) for b in batch.batches])
     lengths = np.asarray(batch.history.lengths())
     return lengths[np.asarray(batch.example_mask_B) > 0] if real else lengths
 

@@ -309,6 +309,8 @@ def one_device_baseline(run, per_device_batch: int, peak_flops: float, steps: in
 
 def _with_batch_size(data_cfg, rows: int):
   """A data config with training batches of `rows` rows (the synthetic pipeline or a source's batch_size)."""
+  if hasattr(data_cfg, "readers"):  # one reader: one device's batch, whatever order the run reads in
+    data_cfg = dataclasses.replace(data_cfg, readers=1)
   if hasattr(data_cfg, "pipeline"):
     return dataclasses.replace(data_cfg, pipeline=dataclasses.replace(data_cfg.pipeline, batch_size=rows))
   return dataclasses.replace(data_cfg, batch_size=rows)

@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -27,7 +28,7 @@ from gem_jax import check
 from gem_jax.data import sources
 from gem_jax.data import shards
 from gem_jax.parallel import mesh as mesh_lib
-from gem_jax.parallel import lookups, placement
+from gem_jax.parallel import host_exchange, lookups, placement
 from gem_jax.parallel.rules import DATA_AXES
 from gem_jax.run import optim, step as step_lib, tasks
 
@@ -53,6 +54,7 @@ class Run:
   sync_capacities: dict[str, dict[str, int]]  # the sparse engine's, per table (lookups.sync_capacities)
   train_step: Any = None         # None on an abstract mesh
   eval_step: Any = None
+  _exchange: Any = dataclasses.field(default_factory=lambda: host_exchange.Exchange("feed"), repr=False)
 
   @property
   def num_devices(self) -> int:
@@ -76,7 +78,52 @@ class Run:
     return shards.place(sharded, self.mesh, DATA_AXES)
 
   def device_batch(self, host_batch):
-    return self.place(self.shard(host_batch))
+    return self.feed(host_batch)[0]
+
+  def train_iterator(self):
+    """The source's training batches. A source read by several readers (data.readers) gives this process
+    the Parts of the readers whose data shards its devices hold, and only those (gem_jax/data/shards.py)."""
+    R = getattr(self.source, "num_readers", 1)
+    if R == 1:
+      return self.source.train_iterator()
+    S = self.data_shards
+    if S % R:
+      raise ValueError(f"data.readers={R} does not divide the mesh's {S} data shards (replica x fsdp x sparse)")
+    mine, per = shards.local_data_shards(self.mesh, S, DATA_AXES), S // R
+    readers = tuple(sorted({d // per for d in mine}))
+    split = [r for r in readers if not set(range(r * per, (r + 1) * per)) <= set(mine)]
+    if split:
+      raise ValueError(f"data.readers={R}: reader {split[0]}'s data shards span processes on this mesh; choose "
+                       f"readers so that each process holds whole readers (a multiple of {jax.process_count()})")
+    return self.source.train_iterator(readers=readers)
+
+  def feed(self, host_batch) -> tuple[Any, dict]:
+    """(the device batch, the task's host counters of the whole step) of a training batch; for a Part, the
+    processes agree on the history capacity and sum their counters in one exchange."""
+    if not isinstance(host_batch, shards.Part):
+      return self.place(self.shard(host_batch)), self.task.count(host_batch)
+    counts: dict = {}
+    for b in host_batch.batches:
+      for k, v in self.task.count(b).items():
+        counts[k] = counts.get(k, 0) + np.asarray(v)
+
+    def agree(fullest: int) -> int:
+      every = self._exchange.all({"tokens": fullest, "counts": {k: v.tolist() for k, v in counts.items()}})
+      for k in counts:
+        counts[k] = sum(np.asarray(e["counts"][k], counts[k].dtype) for e in every)
+      return max(e["tokens"] for e in every)
+
+    src = self.source
+    sharded, ids = shards.shard_part(host_batch, src.spec, src.pipe, self.data_shards, agree)
+    return shards.place(sharded, self.mesh, DATA_AXES, ids, self.data_shards), counts
+
+  def input_counters(self) -> dict[str, int]:
+    """What the source's tolerating input policies did, summed over the processes that read disjoint rows."""
+    mine = getattr(self.source, "counters", dict)()
+    if getattr(self.source, "num_readers", 1) == 1:
+      return mine
+    every = self._exchange.all(mine)
+    return {k: sum(e.get(k, 0) for e in every) for k in sorted({k for e in every for k in e})}
 
   def abstract_state(self) -> step_lib.TrainState:
     """The restore target: shapes, dtypes and this run's shardings (a checkpoint from any mesh fits)."""

@@ -79,7 +79,7 @@ class Trainer:
     self.total_steps = total_steps(run)
     self.end_step = self.total_steps if stop_after is None else min(stop_after, self.total_steps)
     self.state = run.state
-    self.data = run.source.train_iterator()
+    self.data = run.train_iterator()
     self.step = self.start_step = 0           # batches consumed
     self.counters: dict[str, np.ndarray] = {}  # the task's host counters, summed over training batches
     self.stop_reason: str | None = None
@@ -180,9 +180,9 @@ def train(run, out_dir: str, hooks: list, *, resume: bool = False, stop_after: i
     for h in t.hooks:
       h.before_batch(t)
     batch = next(t.data)
-    for name, value in run.task.count(batch).items():
+    device_batch, counts = run.feed(batch)
+    for name, value in counts.items():
       t.counters[name] = t.counters.get(name, 0) + value
-    device_batch = run.device_batch(batch)
     for h in t.hooks:
       h.before_dispatch(t, batch)
     t.compile_if_new(device_batch)
@@ -220,7 +220,7 @@ def train(run, out_dir: str, hooks: list, *, resume: bool = False, stop_after: i
       "examples_per_s": (steps_run - 1) * batch_rows / train_s if steps_run > 1 and train_s > 0 else None,
       "compile_s": t.compile_s, "wall_s": time.perf_counter() - t.t_start, "params": flops.param_counts(run),
       # What a tolerating input policy did (hashed ids, truncated histories, masked labels); {} for most sources.
-      "input_counters": getattr(run.source, "counters", dict)(),
+      "input_counters": run.input_counters(),
       **task_summary, **_parts(t, "summary")}
   t.writer.close()
   if t.writes_files:
