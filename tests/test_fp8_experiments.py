@@ -1,13 +1,15 @@
 """The FP8 probe and parity jobs (gem_jax/bench/fp8_probe.py, fp8_parity.py: what experiments/fp8_probe.py
 and experiments/fp8_parity.py run) end to end on the tiny config, and the FP8 GEMM bench.
 
-The parity numbers themselves (the 0.5% NE criterion) come from `fp8_parity.py --quick`, which takes
-minutes; here a few tiny steps check that every policy trains and every reported field is filled.
+The parity numbers themselves (the 0.5% NE criterion) come from `fp8_parity.py --seeds 3`, which takes
+half an hour; here a few tiny steps over two seeds check that every policy trains, every reported field
+is filled and the parallel workers give the in-process numbers.
 Compiles dominate the time on CPU; the session's persistent compilation cache (tests/conftest.py) serves the programs
 a script compiles twice (fp8_probe's second probe.end_to_end) or that several tests compile (the tiny
 bf16 train step of the parity run, test_parity_step_memory and the bench's step table).
 """
 
+import dataclasses
 import math
 import pathlib
 
@@ -16,6 +18,7 @@ import pytest
 from gem_jax import configs
 from gem_jax.bench import fp8_parity, fp8_probe
 from gem_jax.config import apply_overrides
+from gem_jax.data import pipeline
 
 
 
@@ -33,25 +36,89 @@ def test_probe_gives_rows_and_a_usable_proposal(capsys):
 
 
 @pytest.mark.slow
-def test_parity_trains_every_policy_and_reports(tmp_path):
+def test_parity_over_seeds_reports_gaps_a_noise_floor_and_the_same_numbers_in_parallel(tmp_path):
   # bf16 against "none" (no policy): the parity machinery is the same for every policy, and an FP8 policy's
   # CPU compile costs a minute more (FP8 training itself: test_precision_policy.py, the bench test below).
   # tiny's own schedule (20 steps, warmup 2): the bf16 run's step is then the very program
-  # test_parity_step_memory compiles (the session's compilation cache serves it to both).
+  # test_parity_step_memory compiles (the session's compilation cache serves it to both, and to the workers).
   cfg = apply_overrides(configs.get("tiny"), ["train.eval_every=100", "train.checkpoint_every=100",
                                                "model.precision.min_dim=16"])
-  data = fp8_parity.parity(cfg, ["bf16", "none"], str(tmp_path / "runs"), str(tmp_path / "parity.json"))
-  assert data["baseline"] == "bf16" and set(data["policies"]) == {"bf16", "none"}
+  data = fp8_parity.parity(cfg, ["bf16", "none"], str(tmp_path / "runs"), str(tmp_path / "parity.json"),
+                           seeds=2, jobs=2)
+  assert data["baseline"] == "bf16" and set(data["policies"]) == {"bf16", "none"} and data["seeds"] == [0, 1]
+  assert data["parity_claim"] and not data["not_a_claim_because"]
   for name, r in data["policies"].items():
-    assert set(r["rel_ne_gap"]) == {"click", "conversion"}
+    for key in ("eval_ne_mean", "eval_ne_std", "rel_ne_gap_mean", "rel_ne_gap_std"):
+      assert set(r[key]) == {"click", "conversion"}, (name, key)
     # The tiny eval set may hold no conversion at all (NE undefined); click always has labels.
-    assert math.isfinite(r["tasks"]["click"]["eval_ne"]) and math.isfinite(r["rel_ne_gap"]["click"])
-    assert "step_memory_bytes" not in r  # only with --memory (test_parity_step_memory)
+    assert math.isfinite(r["rel_ne_gap_mean"]["click"]) and math.isfinite(r["rel_ne_gap_std"]["click"])
+    assert [s["seed"] for s in r["seeds"]] == [0, 1]
     assert math.isclose(sum(r["flop_share"].values()), 1.0)
-  assert data["policies"]["bf16"]["rel_ne_gap"]["click"] == 0.0
+    assert "step_memory_bytes" not in r  # only with --memory (test_parity_step_memory)
+  bf16 = data["policies"]["bf16"]
+  assert bf16["rel_ne_gap_mean"]["click"] == 0.0 and bf16["rel_ne_gap_std"]["click"] == 0.0
+  # The seeds are different runs: other initial parameters and batches, the same evaluation set.
+  first, second = bf16["seeds"]
+  assert first["eval_ne"]["click"] != second["eval_ne"]["click"]
+  assert data["noise_floor"]["baseline_rel_ne_std"]["click"] > 0
+  assert data["noise_floor"]["f32_gap_mean"] == data["policies"]["none"]["rel_ne_gap_mean"]
   assert pathlib.Path(data["png"]).stat().st_size > 1000
+  # The worker processes' numbers are the in-process ones (each run is deterministic on its own).
+  record, _ = fp8_parity.train_one(fp8_parity.with_policy(fp8_parity.seed_config(cfg, 1), "none"),
+                                   str(tmp_path / "again"))
+  assert record["eval_ne"]["click"] == data["policies"]["none"]["seeds"][1]["eval_ne"]["click"]
   # The FLOP shares of an FP8 policy come from the abstract model (nothing compiled).
   assert fp8_parity.flop_shares(cfg, ["fp8"])["fp8"]["mxfp8_rceil"] > 0.3
+  assert "NOT A PARITY CLAIM" not in fp8_parity.table(data)
+
+
+def _records(ne: dict) -> dict:
+  return {(seed, name): {"eval_ne": {"click": v}} for name, per_seed in ne.items() for seed, v in enumerate(per_seed)}
+
+
+def test_the_verdict_judges_the_mean_gap_against_the_bound_and_the_float32_gap():
+  # Gaps per seed: none +0.1%, +0.3%, +0.2% (mean 0.2%, std 0.1%); "near" +0.3% each; "far" +0.8% each;
+  # "off" +0.45% each: within the bound but 2.5 std from the float32 gap.
+  base = [1.0, 0.9, 0.8]
+  ne = {"bf16": base, "none": [b * (1 + g) for b, g in zip(base, (0.001, 0.003, 0.002))],
+        **{name: [b * (1 + g) for b in base] for name, g in (("near", 0.003), ("far", 0.008), ("off", 0.0045))}}
+  policies, floor = fp8_parity.summarize(_records(ne), list(ne), [0, 1, 2], ["click"])
+  assert math.isclose(floor["f32_gap_mean"]["click"], 0.002) and math.isclose(floor["f32_gap_std"]["click"], 0.001)
+  assert math.isclose(floor["baseline_rel_ne_std"]["click"], 0.1 / 0.9)
+  assert floor["baseline_beats_base_rate"] == {"click": True}
+  assert math.isclose(policies["far"]["rel_ne_gap_mean"]["click"], 0.008)
+  judged = fp8_parity.verdict(policies, floor, "bf16")
+  assert set(judged) == {"near", "far", "off"}
+  assert judged["near"]["click"] == {"within_bound": True, "within_2std_of_f32": True}
+  assert judged["far"]["click"] == {"within_bound": False, "within_2std_of_f32": False}
+  assert judged["off"]["click"] == {"within_bound": True, "within_2std_of_f32": False}
+  # One seed: no spread, so no float32 judgement.
+  policies, floor = fp8_parity.summarize(_records({k: v[:1] for k, v in ne.items()}), list(ne), [0], ["click"])
+  assert policies["none"]["rel_ne_gap_std"]["click"] is None
+  assert fp8_parity.verdict(policies, floor, "bf16")["near"]["click"]["within_2std_of_f32"] is None
+
+
+def test_seeds_change_the_initial_parameters_and_the_batches_but_not_the_world():
+  from gem_jax.data import sources
+  cfg = configs.get("tiny")
+  assert fp8_parity.seed_config(cfg, 0) is cfg
+  two = fp8_parity.seed_config(cfg, 2)
+  assert two.train.seed == 2 and two.data.synthetic.first_block == 2 * fp8_parity.SEED_STRIDE
+  assert dataclasses.replace(two.data.synthetic, first_block=0) == cfg.data.synthetic
+  base, shifted = sources.make(cfg), sources.make(two)
+  assert shifted.eval_batches()[0].labels_BxK.tobytes() == base.eval_batches()[0].labels_BxK.tobytes()
+  got = next(shifted.train_iterator())
+  want = pipeline.pack(base.block(two.data.synthetic.first_block, cfg.data.pipeline.batch_size), cfg.data.spec,
+                       cfg.data.pipeline)
+  assert got.labels_BxK.tobytes() == want.labels_BxK.tobytes()
+  assert got.labels_BxK.tobytes() != next(base.train_iterator()).labels_BxK.tobytes()
+  with pytest.raises(ValueError, match="first_block"):
+    sources.make(apply_overrides(cfg, [f"data.synthetic.first_block={sources.EVAL_START_INDEX - 5}"]))
+  probe = {"end_to_end": {"rules": ["layers.0.hstu.uvqk=mxfp8_rceil"]}}
+  probed = fp8_parity.policy_config(cfg, fp8_parity.PROBE, probe).model.precision
+  assert probed.policy == "bf16" and probed.rules == ("layers.0.hstu.uvqk=mxfp8_rceil",)
+  with pytest.raises(ValueError, match="end-to-end"):
+    fp8_parity.policy_config(cfg, fp8_parity.PROBE, {"end_to_end": None})
 
 
 def test_parity_step_memory():

@@ -79,6 +79,7 @@ def end_to_end_section(run, model, sites, batches, loss_fn, captures, recipe: st
   e2e["proposed"] = {"sites": proposed, "flop_share": share(proposed), **check["sets"]["proposed"]}
   e2e["fp8_policy"] = {"sites": fp8_policy, "flop_share": share(fp8_policy), **check["sets"]["fp8_policy"]}
   rules = [f"{s}={recipe}" for s in sorted(proposed)]
+  e2e["rules"] = rules  # fp8_parity.py --probe trains with these
   e2e["set_flag"] = f"--set model.precision.policy=bf16 --set 'model.precision.rules={json.dumps(rules)}'"
   e2e["summary"] = "\n".join([
       f"whole-model gradient SNR vs all-bf16 ({recipe}): every site {e2e['all']['grad_snr_db']:.1f} dB, "

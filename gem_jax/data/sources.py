@@ -110,13 +110,17 @@ class SyntheticSource(BlockBatches):
     self.pipe = cfg.data.pipeline
     self.batch_size = self.pipe.batch_size
     self.stream = SyntheticAdsStream(self.spec, cfg.data.synthetic)
+    self.first_block = cfg.data.synthetic.first_block
+    if self.first_block + cfg.train.steps > EVAL_START_INDEX:
+      raise ValueError(f"data.synthetic.first_block={self.first_block}: {cfg.train.steps} training steps from "
+                       f"there reach the evaluation blocks (from {EVAL_START_INDEX})")
     self._eval = None
 
   def block(self, index: int, size: int):
     return self.stream.block(index, size)
 
   def train_iterator(self):
-    return pipeline.make_iterator(self.stream, self.spec, self.pipe)
+    return pipeline.make_iterator(self.stream, self.spec, self.pipe, start_index=self.first_block)
 
   def eval_batches(self, split: str = "eval") -> list:
     if split != "eval":

@@ -66,6 +66,9 @@ _U64 = (1 << 64) - 1
 class SyntheticConfig:
   """The synthetic world and its planted model. Strengths are logit-scale weights of each component."""
   seed: int = 0
+  # The training stream's first block: runs that differ only here see the same world (ids, planted model,
+  # evaluation set) on disjoint training examples (gem_jax/bench/fp8_parity.py's seeds).
+  first_block: int = 0
   zipf_exponent: float = 1.1           # users and ads (and ads inside a category)
   interest_zipf_exponent: float = 0.9  # how concentrated user interests are over categories
   history_mu: float = 3.3              # log-normal history length before the cap at sequence.max_len
@@ -109,6 +112,8 @@ class SyntheticConfig:
       raise ValueError("SyntheticConfig: Zipf exponents must be positive")
     if not 0 <= self.seed <= _U64:
       raise ValueError(f"SyntheticConfig.seed must be in [0, 2**64), got {self.seed}")
+    if self.first_block < 0:
+      raise ValueError(f"SyntheticConfig.first_block must be >= 0, got {self.first_block}")
     if self.latent_dim < 1 or self.history_sigma < 0 or self.calibration_examples < 1024:
       raise ValueError("SyntheticConfig: latent_dim >= 1, history_sigma >= 0, calibration_examples >= 1024")
 
