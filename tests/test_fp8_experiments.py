@@ -70,6 +70,9 @@ def test_parity_over_seeds_reports_gaps_a_noise_floor_and_the_same_numbers_in_pa
   # The FLOP shares of an FP8 policy come from the abstract model (nothing compiled).
   assert fp8_parity.flop_shares(cfg, ["fp8"])["fp8"]["mxfp8_rceil"] > 0.3
   assert "NOT A PARITY CLAIM" not in fp8_parity.table(data)
+  quick = {**data, "parity_claim": False, "not_a_claim_because": fp8_parity.not_a_claim(True, 2, ["bf16", "none"])}
+  assert "SMOKE TEST, NOT A PARITY CLAIM: --quick" in fp8_parity.table(quick)
+  assert len(fp8_parity.not_a_claim(False, 1, ["bf16", "fp8"])) == 2
 
 
 def _records(ne: dict) -> dict:
@@ -78,24 +81,30 @@ def _records(ne: dict) -> dict:
 
 def test_the_verdict_judges_the_mean_gap_against_the_bound_and_the_float32_gap():
   # Gaps per seed: none +0.1%, +0.3%, +0.2% (mean 0.2%, std 0.1%); "near" +0.3% each; "far" +0.8% each;
-  # "off" +0.45% each: within the bound but 2.5 std from the float32 gap.
+  # "off" +0.45% each: within the bound but 2.5 std from the float32 gap; "noisy" +1%, -1%, 0: a mean within
+  # both, but two standard errors of 1.15% do not resolve a 0.5% bound.
   base = [1.0, 0.9, 0.8]
-  ne = {"bf16": base, "none": [b * (1 + g) for b, g in zip(base, (0.001, 0.003, 0.002))],
-        **{name: [b * (1 + g) for b in base] for name, g in (("near", 0.003), ("far", 0.008), ("off", 0.0045))}}
+  gaps = lambda *g: [b * (1 + x) for b, x in zip(base, g)]
+  ne = {"bf16": base, "none": gaps(0.001, 0.003, 0.002), "noisy": gaps(0.01, -0.01, 0.0),
+        **{name: gaps(g, g, g) for name, g in (("near", 0.003), ("far", 0.008), ("off", 0.0045))}}
   policies, floor = fp8_parity.summarize(_records(ne), list(ne), [0, 1, 2], ["click"])
   assert math.isclose(floor["f32_gap_mean"]["click"], 0.002) and math.isclose(floor["f32_gap_std"]["click"], 0.001)
   assert math.isclose(floor["baseline_rel_ne_std"]["click"], 0.1 / 0.9)
   assert floor["baseline_beats_base_rate"] == {"click": True}
   assert math.isclose(policies["far"]["rel_ne_gap_mean"]["click"], 0.008)
   judged = fp8_parity.verdict(policies, floor, "bf16")
-  assert set(judged) == {"near", "far", "off"}
-  assert judged["near"]["click"] == {"within_bound": True, "within_2std_of_f32": True}
-  assert judged["far"]["click"] == {"within_bound": False, "within_2std_of_f32": False}
-  assert judged["off"]["click"] == {"within_bound": True, "within_2std_of_f32": False}
+  assert set(judged) == {"near", "far", "off", "noisy"}
+  verdicts = {name: {k: v for k, v in j["click"].items() if k != "half_width"} for name, j in judged.items()}
+  assert verdicts["near"] == {"within_bound": True, "within_2std_of_f32": True, "resolved": True}
+  assert verdicts["far"] == {"within_bound": False, "within_2std_of_f32": False, "resolved": True}
+  assert verdicts["off"] == {"within_bound": True, "within_2std_of_f32": False, "resolved": True}
+  assert verdicts["noisy"] == {"within_bound": True, "within_2std_of_f32": True, "resolved": False}
+  assert math.isclose(judged["noisy"]["click"]["half_width"], 2 * 0.01 / math.sqrt(3))
   # One seed: no spread, so no float32 judgement.
   policies, floor = fp8_parity.summarize(_records({k: v[:1] for k, v in ne.items()}), list(ne), [0], ["click"])
   assert policies["none"]["rel_ne_gap_std"]["click"] is None
-  assert fp8_parity.verdict(policies, floor, "bf16")["near"]["click"]["within_2std_of_f32"] is None
+  one = fp8_parity.verdict(policies, floor, "bf16")["near"]["click"]
+  assert one["within_2std_of_f32"] is None and one["resolved"] is None
 
 
 def test_seeds_change_the_initial_parameters_and_the_batches_but_not_the_world():

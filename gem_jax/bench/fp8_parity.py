@@ -228,18 +228,31 @@ def summarize(records: dict, names, seeds, tasks) -> tuple[dict, dict]:
 
 
 def verdict(policies: dict, floor: dict, baseline: str) -> dict:
-  """Per policy and task: within BOUND, and within two standard deviations of the float32 gap."""
+  """Per policy and task: within BOUND, and within two standard deviations of the float32 gap; and whether
+  the seeds resolve the bound at all: `half_width`, two standard errors of the mean gap (2 std / sqrt(seeds)),
+  is at most BOUND. A task whose gap moves more than that from seed to seed passes or fails by chance."""
   out = {}
   for name, r in policies.items():
     if name in (baseline, "none"):
       continue
     out[name] = {}
+    n = len(r["seeds"])
     for task, gap in r["rel_ne_gap_mean"].items():
       f32_std = (floor.get("f32_gap_std") or {}).get(task)
+      std = r["rel_ne_gap_std"][task]
+      half = None if std is None else 2 * std / math.sqrt(n)
       out[name][task] = {
           "within_bound": abs(gap) <= BOUND,
-          "within_2std_of_f32": (None if f32_std is None else abs(gap - floor["f32_gap_mean"][task]) <= 2 * f32_std)}
+          "within_2std_of_f32": (None if f32_std is None else abs(gap - floor["f32_gap_mean"][task]) <= 2 * f32_std),
+          "half_width": half, "resolved": None if half is None else half <= BOUND}
   return out
+
+
+def not_a_claim(smoke: bool, seeds: int, names) -> list[str]:
+  """Why a run's numbers are not a parity claim (empty: they are)."""
+  return [why for why, bad in (("--quick: a short run far from the plateau", smoke),
+                               ("one seed: no spread to judge a gap against", seeds < 2),
+                               ("no 'none' policy: no float32 noise floor", "none" not in names)) if bad]
 
 
 def parity(cfg, names, runs: str, out_json: str, *, seeds: int = 1, smoke: bool = False, probe: dict | None = None,
@@ -287,9 +300,7 @@ def parity(cfg, names, runs: str, out_json: str, *, seeds: int = 1, smoke: bool 
     policies[name]["flop_share"] = shares[name]
     if memory:
       policies[name]["step_memory_bytes"] = step_memory(policy_config(cfg, name, probe))
-  reasons = [why for why, bad in (("--quick: a short run far from the plateau", smoke),
-                                  ("one seed: no spread to judge a gap against", seeds < 2),
-                                  ("no 'none' policy: no float32 noise floor", "none" not in names)) if bad]
+  reasons = not_a_claim(smoke, seeds, names)
   out = {"config": cfg.name, "steps": cfg.train.steps, "eval_examples": cfg.train.eval_examples,
          "baseline": names[0], "backend": jax.default_backend(), "seeds": seed_list, "tasks": tasks,
          "parity_claim": not reasons, "not_a_claim_because": reasons, "bound": BOUND,
@@ -303,8 +314,8 @@ def parity(cfg, names, runs: str, out_json: str, *, seeds: int = 1, smoke: bool 
   return out
 
 
-def _pct(x) -> str:
-  return "-" if x is None else f"{100 * x:+.3f}%"
+def _pct(x, sign: str = "+") -> str:
+  return "-" if x is None else f"{100 * x:{sign}.3f}%"
 
 
 def table(out: dict) -> str:
@@ -319,20 +330,22 @@ def table(out: dict) -> str:
   for name, r in out["policies"].items():
     fp8_share = sum(v for k, v in r["flop_share"].items() if k not in ("bf16", "none"))
     mem = r.get("step_memory_bytes", {}).get("temp_size_in_bytes")
-    cells = [f"{r['eval_ne_mean'][t]:>12.4f} {_pct(r['rel_ne_gap_mean'][t]) + ' +- ' + _pct(r['rel_ne_gap_std'][t]):>30}"
+    cells = [f"{r['eval_ne_mean'][t]:>12.4f} {_pct(r['rel_ne_gap_mean'][t]) + ' +- ' + _pct(r['rel_ne_gap_std'][t], ''):>30}"
              for t in tasks]
     lines.append(f"{name:>8} " + " ".join(cells) + f" {100 * fp8_share:>9.1f}% "
-                 f"{mem / 2**20 if mem else float('nan'):>8.1f}")
+                 + (f"{mem / 2**20:>8.1f}" if mem else f"{'-':>8}"))
   floor = out["noise_floor"]
   lines.append("noise floor: baseline NE spread over seeds " + ", ".join(
-      f"{t} {_pct(floor['baseline_rel_ne_std'][t])}" for t in tasks) + (
-      "; float32 gap " + ", ".join(f"{t} {_pct(floor['f32_gap_mean'][t])} +- {_pct(floor['f32_gap_std'][t])}"
+      f"{t} {_pct(floor['baseline_rel_ne_std'][t], '')}" for t in tasks) + (
+      "; float32 gap " + ", ".join(f"{t} {_pct(floor['f32_gap_mean'][t])} +- {_pct(floor['f32_gap_std'][t], '')}"
                                    for t in tasks) if "f32_gap_mean" in floor else ""))
   for t in tasks:
     if not floor["baseline_beats_base_rate"][t]:
       lines.append(f"note: the baseline's {t} NE is not below 1 (it has not beaten the base rate)")
+  yes = {True: "yes", False: "NO", None: "-"}
   for name, by_task in out["verdict"].items():
     lines.append(f"{name}: " + ", ".join(
-        f"{t} within {100 * out['bound']:.1f}%: {'yes' if v['within_bound'] else 'NO'}, within 2 std of float32: "
-        f"{ {True: 'yes', False: 'NO', None: '-'}[v['within_2std_of_f32']] }" for t, v in by_task.items()))
+        f"{t} within {100 * out['bound']:.1f}%: {yes[v['within_bound']]}, within 2 std of float32: "
+        f"{yes[v['within_2std_of_f32']]}, resolved: {yes[v['resolved']]} (2 SE {_pct(v['half_width'], '')})"
+        for t, v in by_task.items()))
   return "\n".join(lines)
