@@ -2,6 +2,8 @@
 seed's initial parameters on each seed's batches (gem_jax/bench/fp8_parity.py).
 
   python experiments/fp8_parity.py --seeds 3 --jobs 2 --out parity.json   # the claim: small, 900 steps (~30 min)
+  python experiments/fp8_parity.py --seeds 3 --jobs 2 --policies bf16,none,fp8 --set train.steps=1800 \
+      --out p1800.json                                                     # nearer the plateau (~49 min)
   python experiments/fp8_parity.py --quick --out parity.json              # smoke test (~5 min), not a claim
   python experiments/fp8_parity.py --seeds 3 --probe probe.json --policies bf16,none,fp8,probe --out p.json
       # also the policy experiments/fp8_probe.py --out probe.json proposed ("probe")
