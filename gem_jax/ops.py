@@ -6,6 +6,9 @@
   "triton"  jax-triton forward kernel (GPU only; its backward is the reference's)
   "auto"    pallas on GPU, xla elsewhere
 
+"GPU" is the platform of the program being built (gem_jax/runtime.py `platform()`: the target of the mesh a
+step is traced for, gem_jax/parallel/target.py), not the host's default backend: a step built for an H200
+topology on a CPU machine gets the compiled Triton kernels, and a CPU step the interpreter.
 Model code calls these functions only; it never imports a kernel module directly.
 """
 
@@ -25,11 +28,19 @@ from pallas_kernels.jagged_softmax_attention import pallas as softmax_pallas
 from pallas_kernels.jagged_softmax_attention import reference as softmax_reference
 from pallas_kernels.jagged_softmax_attention import tiled as softmax_tiled
 
+def _hstu_pallas(*args, **kwargs):
+  return hstu_pallas.hstu_attention(*args, interpret=runtime.platform() != "gpu", **kwargs)
+
+
+def _softmax_pallas(*args, **kwargs):
+  return softmax_pallas.jagged_softmax_attention(*args, interpret=runtime.platform() != "gpu", **kwargs)
+
+
 # "xla" is the tiled path: a dynamic loop over the (row, q block, k block) tiles the mask needs, so its work
 # follows the real lengths (1.2-1.4x the jagged causal pairs on heavy-tailed batches); "reference" is the
 # dense spec, which pads every row to max_seq_len.
 _HSTU_IMPLS: dict[str, Callable] = {"xla": hstu_tiled.hstu_attention, "reference": hstu_reference.hstu_attention,
-                                    "pallas": hstu_pallas.hstu_attention}
+                                    "pallas": _hstu_pallas}
 
 
 # Softmax attention: "xla" is the tiled loop (work follows the real lengths, as for HSTU), "blocked" a
@@ -37,7 +48,7 @@ _HSTU_IMPLS: dict[str, Callable] = {"xla": hstu_tiled.hstu_attention, "reference
 _SOFTMAX_IMPLS: dict[str, Callable] = {"xla": softmax_tiled.jagged_softmax_attention,
                                        "blocked": softmax_blocked.jagged_softmax_attention,
                                        "reference": softmax_reference.jagged_softmax_attention,
-                                       "pallas": softmax_pallas.jagged_softmax_attention}
+                                       "pallas": _softmax_pallas}
 
 
 def _hstu_triton(*args, **kwargs):
@@ -68,18 +79,21 @@ def softmax_impls() -> tuple[str, ...]:
 
 
 def hstu_impl(name: str) -> Callable:
-  """The HSTU attention function registered as `name` ("auto" resolved for this backend)."""
+  """The HSTU attention function registered as `name` ("auto" resolved for the current platform)."""
   return _resolve(name, _HSTU_IMPLS, "hstu_attention")
 
 
 def softmax_impl(name: str) -> Callable:
-  """The jagged softmax attention function registered as `name` ("auto" resolved for this backend)."""
+  """The jagged softmax attention function registered as `name` ("auto" resolved for the current platform)."""
   return _resolve(name, _SOFTMAX_IMPLS, "jagged_softmax_attention")
 
 
+def _auto(impl: str) -> str:
+  return impl if impl != "auto" else "pallas" if runtime.platform() == "gpu" else "xla"
+
+
 def _resolve(impl: str, registry: dict[str, Callable], kernel: str) -> Callable:
-  if impl == "auto":
-    impl = "pallas" if jax.default_backend() == "gpu" and "pallas" in registry else "xla"
+  impl = _auto(impl)
   if impl not in registry:
     raise ValueError(f"{kernel}: unknown impl {impl!r}; available: {sorted(registry)} (or 'auto')")
   return registry[impl]
@@ -90,8 +104,7 @@ def _counted(kind: str, impl: str, q_TxHxD, v_TxHxDv, max_seq_len: int, contextu
   counted and the call should return zeros instead of a kernel."""
   rt = runtime.current()
   if rt.recorder is not None:
-    name = impl if impl != "auto" else ("pallas" if jax.default_backend() == "gpu" else "xla")
-    runtime.record("attention", kind=kind, impl=name, length=q_TxHxD.shape[0], heads=q_TxHxD.shape[1],
+    runtime.record("attention", kind=kind, impl=_auto(impl), length=q_TxHxD.shape[0], heads=q_TxHxD.shape[1],
                    dh=q_TxHxD.shape[2], dv=v_TxHxDv.shape[2], max_seq_len=max_seq_len,
                    num_contextual=contextual_seq_len)
   return rt.count_only

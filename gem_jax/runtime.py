@@ -1,6 +1,6 @@
 """The parallel runtime: what the model reads from its surroundings while it is traced.
 
-  Runtime(tensor_sum, context, lookup, probe, recorder)
+  Runtime(tensor_sum, context, lookup, probe, recorder, count_only, target)
   with runtime.using(lookup=..., tensor_sum=...):   # the SPMD step, a probe or a FLOP count installs
     model(batch)                                    # the model reads runtime.current().<field>
 
@@ -16,6 +16,9 @@ Fields (None: the one-device behaviour):
               truncation as it is traced; what FLOP counts and lookup capacities are derived from
   count_only  the trace is only counted, never run (gem_jax/observe/flops.py): attention calls return
               zeros of their output's shape instead of tracing a kernel
+  target      the hardware the traced program is built for (gem_jax/parallel/target.py Target: platform,
+              compute capability), read by kernel, interpret-mode and FP8 choices through `platform()` and
+              `compute_target()`; None: the host's default backend (outside a step)
 
 This is the only ContextVar in gem_jax. Model code reads it and never installs one; whoever installs one
 does so around a trace and restores the previous runtime afterwards (`using`). Imports only the standard
@@ -56,6 +59,7 @@ class Runtime:
   probe: Probe | None = None
   recorder: Any = None
   count_only: bool = False
+  target: Any = None
 
 
 _RUNTIME: contextvars.ContextVar[Runtime] = contextvars.ContextVar("gem_jax_runtime", default=Runtime())
@@ -80,3 +84,18 @@ def record(what: str, **facts) -> None:
   recorder = _RUNTIME.get().recorder
   if recorder is not None:
     recorder.record(what, **facts)
+
+
+def platform() -> str:
+  """"gpu", "cpu" or "tpu": the platform the current trace is built for (the installed target's, else the
+  host's default backend)."""
+  target = _RUNTIME.get().target
+  if target is not None:
+    return target.platform
+  import jax
+  return jax.default_backend()
+
+
+def compute_target() -> Any:
+  """The installed target, or None outside a step (then `platform()` is the host's default backend)."""
+  return _RUNTIME.get().target

@@ -87,7 +87,8 @@ def _to_blocks(x, axis: int, block_size: int):
 
 
 def _from_blocks(x_blocks, axis: int, n: int):
-  x = x_blocks.reshape(x_blocks.shape[:-2] + (-1,))[..., :n]
+  # The block axes by size, not -1: with a zero-size dim elsewhere (an empty batch) -1 is ambiguous.
+  x = x_blocks.reshape(x_blocks.shape[:-2] + (x_blocks.shape[-2] * x_blocks.shape[-1],))[..., :n]
   return jnp.moveaxis(x, -1, axis)
 
 

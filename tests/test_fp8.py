@@ -137,10 +137,10 @@ def test_backward_quantizes_along_each_gemms_contraction_axis():
 def test_residuals_saved_for_backward_are_fp8():
   x, w, _ = operands()
   for recipe, dt in (("mxfp8", jnp.float8_e4m3fn), ("rowwise", jnp.float8_e4m3fn), ("bf16", jnp.bfloat16)):
-    _, (x_along_m, w_along_n, _) = fp8._matmul_fwd(x, w, recipe, "emulate")
+    _, (x_along_m, w_along_n, _) = fp8._matmul_fwd(x, w, recipe, "emulate", False)
     assert x_along_m[0].dtype == dt and w_along_n[0].dtype == dt, recipe
   # Saved along the backward contraction axes: x blocked along M (rows), w along N (columns).
-  _, (x_along_m, w_along_n, _) = fp8._matmul_fwd(x, w, "mxfp8", "emulate")
+  _, (x_along_m, w_along_n, _) = fp8._matmul_fwd(x, w, "mxfp8", "emulate", False)
   assert x_along_m[1].shape == (2, 96) and w_along_n[1].shape == (96, 2)
 
 

@@ -52,7 +52,7 @@ def package_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
   graph = {u: set() for u in units}
   for path in (root / "gem_jax").rglob("*.py"):
     src = _unit(".".join(path.relative_to(root).with_suffix("").parts))
-    if src is None:
+    if src is None or src == "__init__":  # gem_jax/__init__.py is the root every unit's import runs
       continue
     for name in _imports(path, root):
       dst = _unit(name)

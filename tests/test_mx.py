@@ -241,3 +241,14 @@ def test_bfloat16_input_is_exact_widening():
   b = mx.quantize(x.astype(jnp.float32))
   for u, v in zip(a, b):
     np.testing.assert_array_equal(np.asarray(u.astype(jnp.float32)), np.asarray(v.astype(jnp.float32)))
+
+
+def test_an_empty_batch_quantizes_to_empty_blocks():
+  """A count-only trace (observe/flops.py) runs the model on zero rows: quantizing M = 0 along K must give
+  0 x K elements and 0 x K/32 scales, not a reshape error."""
+  x = jnp.zeros((0, 70), jnp.float32)
+  elems, scales = mx.quantize(x, axis=1)
+  assert elems.shape == (0, 70) and scales.shape == (0, 3)
+  assert mx.dequantize(elems, scales, axis=1).shape == (0, 70)
+  elems, scales = mx.quantize(x, axis=0)
+  assert elems.shape == (0, 70) and scales.shape == (0, 70)

@@ -54,6 +54,9 @@ def sharded(init, names: Sequence[str | None]):
   return nnx.with_partitioning(init, tuple(names), eager_sharding=False)
 
 
+FP8_SCOPE = "fp8_site="
+
+
 class Dense(nnx.Linear):
   """nnx.Linear in the config's dtypes: f32 accumulation, output cast back to the compute dtype; under a
   precision policy (gem_jax/precision/policy.py) its matmul is the FP8 dot_general of its recipe.
@@ -84,7 +87,10 @@ class Dense(nnx.Linear):
     if recipe is None:
       y = jax.lax.dot_general(x, kernel, dims, preferred_element_type=jnp.float32)
     else:
-      y = fp8.dot_general(x, kernel, dims, recipe=recipe, impl=self.fp8_impl)
+      # The site in the op names of its three GEMMs (backward ones under transpose(...)): a compiled
+      # program's FP8 GEMMs are attributed to sites by it (gem_jax/observe/compiled.py).
+      with jax.named_scope(f"{FP8_SCOPE}{self.site}"):
+        y = fp8.dot_general(x, kernel, dims, recipe=recipe, impl=self.fp8_impl)
     if bias and self.bias is not None:
       y = y + self.bias[...].astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
     return y

@@ -194,6 +194,8 @@ def to_yaml(p: Plan, s: Scored, name: str, command: str = "") -> str:
   out += [f"  {k}: {_yaml_float(getattr(hw, k))}" for k in mesh_lib.HARDWARE_KEYS[1:]]
   if "rules" in data:
     out.append(f"rules: {{table_rows: [{', '.join(lay.table_rows)}]}}")
+  if "target" in data:
+    out.append(f"target: {data['target']}")
   return "\n".join(out) + "\n"
 
 

@@ -19,7 +19,10 @@ Traffic model (bytes leaving one device, ring/direct algorithms; n = group size)
   all-gather result*(n-1)/n, reduce-scatter operand*(n-1)/n, all-reduce 2*operand*(n-1)/n,
   all-to-all operand*(n-1)/n, collective-permute operand (0 if every pair is a self-pair),
   ragged-all-to-all input buffer*(n-1)/n (an upper bound: the real sizes are only known at run time).
-Async pairs (`all-gather-start`/`-done`, `all-to-all-start` sugar, `async-start` wrappers) count once.
+Async pairs (`all-gather-start`/`-done`, `all-to-all-start` sugar, `async-start` wrappers) count once;
+`overlap` is how many compute instructions (fusions, custom calls, loops, dots: not parameters, tuples,
+bitcasts or other collectives) the schedule puts between a start and its done, None for a synchronous
+collective (XLA:CPU's) — what the compiler left free to hide the transfer behind.
 `count` is how often a collective runs per program execution: the product of the known trip counts of
 the while loops around it (1 where XLA does not know it). Expects `as_text()` output: one instruction a
 line, one replica (jit over a mesh; multi-replica programs are refused).
@@ -59,6 +62,7 @@ class Collective:
   count: int = 1           # executions per program run (known while-loop trip counts)
   array_bytes: int = 0     # the largest single array among its operands and results (XLA combines
                            # collectives into tuples: this is what one of them carried at most)
+  overlap: int | None = None  # compute instructions scheduled between its start and done; None: synchronous
 
 
 # ---------------------------------------------------------------------------------------------- shapes
@@ -106,7 +110,7 @@ def _take_balanced(text: str, i: int) -> int:
 # --------------------------------------------------------------------------------------- module parsing
 
 @dataclasses.dataclass
-class _Instr:
+class Instr:
   name: str
   shape: str
   opcode: str
@@ -116,8 +120,8 @@ class _Instr:
 
 
 @dataclasses.dataclass
-class _Module:
-  comps: dict[str, list[_Instr]]
+class Module:
+  comps: dict[str, list[Instr]]
   entry: str
   replicas: int
   partitions: int
@@ -126,7 +130,7 @@ class _Module:
 _COMMENT = re.compile(r"/\*.*?\*/")
 
 
-def _parse_instr(line: str) -> _Instr | None:
+def _parse_instr(line: str) -> Instr | None:
   # Long operand and tuple lists carry position comments (`/*index=5*/%dot.69`); they are not operands.
   line = _COMMENT.sub("", line)
   m = re.match(r"\s*(?:ROOT\s+)?" + _NAME + r"\s*=\s*", line)
@@ -138,12 +142,12 @@ def _parse_instr(line: str) -> _Instr | None:
     return None
   open_at = end + op.end() - 1
   close = _take_balanced(line, open_at)
-  return _Instr(m.group(1), line[i:end], op.group(1), _split_top(line[open_at + 1:close - 1]),
+  return Instr(m.group(1), line[i:end], op.group(1), _split_top(line[open_at + 1:close - 1]),
                 line[close:], _QUOTED.sub('""', line[close:]))
 
 
-def _parse_module(text: str) -> _Module:
-  comps: dict[str, list[_Instr]] = {}
+def parse_module(text: str) -> Module:
+  comps: dict[str, list[Instr]] = {}
   entry, current = "", None
   for line in text.splitlines():
     if not line.strip() or line.startswith("HloModule"):
@@ -158,11 +162,11 @@ def _parse_module(text: str) -> _Module:
       current.append(instr)
   header = next((line for line in text.splitlines() if line.startswith("HloModule")), "")
   get = lambda key: int(m.group(1)) if (m := re.search(key + r"=(\d+)", header)) else 1
-  return _Module(comps, entry or (list(comps)[-1] if comps else ""), get("replica_count"),
+  return Module(comps, entry or (list(comps)[-1] if comps else ""), get("replica_count"),
                  get("num_partitions"))
 
 
-def _callees(instr: _Instr) -> list[tuple[str, int, bool]]:
+def callees(instr: Instr) -> list[tuple[str, int, bool]]:
   """(computation, executions per call, is a conditional branch) for every computation it calls."""
   if instr.opcode in ("async-update", "async-done"):   # the async-start already called it
     return []
@@ -176,12 +180,12 @@ def _callees(instr: _Instr) -> list[tuple[str, int, bool]]:
   return out
 
 
-def _reach(mod: _Module) -> tuple[dict[str, int], dict[str, bool]]:
+def reach(mod: Module) -> tuple[dict[str, int], dict[str, bool]]:
   """Executions per run and 'only reached through a conditional branch' for every computation."""
   callers: dict[str, list[tuple[str, int, bool]]] = {c: [] for c in mod.comps}
   for comp, instrs in mod.comps.items():
     for instr in instrs:
-      for callee, mult, branch in _callees(instr):
+      for callee, mult, branch in callees(instr):
         callers.setdefault(callee, []).append((comp, mult, branch))
   count, cond = {}, {}           # HLO call graphs have no cycles: plain recursion terminates
 
@@ -263,7 +267,7 @@ def _mesh_axes_groups(axes_text: str, ids_text: str | None, sel_text: str) -> li
   return devices.reshape(dims).transpose(order).reshape(-1, size).tolist()
 
 
-def _device_groups(instr: _Instr, kind: str, n: int) -> list[list[int]]:
+def _device_groups(instr: Instr, kind: str, n: int) -> list[list[int]]:
   """Groups of device positions. With one replica, partition id = position, and XLA's group modes
   (what the listed ids mean: channel_id present? use_global_device_ids=true?) reduce to these cases."""
   channel, bare = "channel_id=" in instr.bare, instr.bare
@@ -285,15 +289,16 @@ def _device_groups(instr: _Instr, kind: str, n: int) -> list[list[int]]:
 def collectives(hlo_text: str, mesh: Any) -> list[Collective]:
   """Every collective of `compiled.as_text()` once, attributed to the axes of `mesh` (any jax Mesh or
   AbstractMesh whose size matches the program's device count)."""
-  mod = _parse_module(hlo_text)
+  mod = parse_module(hlo_text)
   names = tuple(mesh.axis_names)
   mesh_shape = tuple(int(mesh.shape[a]) for a in names)
   n = math.prod(mesh_shape)
-  count, cond = _reach(mod)
+  count, cond = reach(mod)
+  overlaps = _overlaps(mod)
   out = []
   for comp, instrs in mod.comps.items():
     shapes = {i.name: i.shape for i in instrs}
-    done_shape = {_operand_name(i.operands[0]): i.shape for i in instrs
+    done_shape = {operand_name(i.operands[0]): i.shape for i in instrs
                   if i.opcode.endswith("-done") and i.operands}
     for instr in instrs:
       kind = instr.opcode[:-len("-start")] if instr.opcode.endswith("-start") else instr.opcode
@@ -313,7 +318,35 @@ def collectives(hlo_text: str, mesh: Any) -> list[Collective]:
           axes=tuple(names[a] for a in axes),
           moved_bytes=_moved(kind, operand_bytes, result_bytes, group_size),
           op_name=op_name.group(1) if op_name else "", computation=comp, conditional=cond[comp],
-          count=count[comp], array_bytes=array_bytes))
+          count=count[comp], array_bytes=array_bytes,
+          overlap=overlaps.get(instr.name, overlaps.get(("wrapped", comp)))))
+  return out
+
+
+# Instructions that compute nothing a collective could hide behind.
+_NOT_COMPUTE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
+                "opt-barrier"}
+
+
+def _overlaps(mod: Module) -> dict:
+  """{start instruction name: compute instructions between it and its done} for every async pair of the
+  scheduled module, and {("wrapped", computation): ...} for the computation an async-start wraps."""
+  out: dict = {}
+  for instrs in mod.comps.values():
+    at = {i.name: n for n, i in enumerate(instrs)}
+    for n, instr in enumerate(instrs):
+      if not (instr.opcode.endswith("-done") and instr.operands):
+        continue
+      start = at.get(operand_name(instr.operands[0]))
+      if start is None:
+        continue
+      between = sum(1 for i in instrs[start + 1:n] if i.opcode not in _NOT_COMPUTE
+                    and not i.opcode.endswith(("-start", "-done", "-update")))
+      head = instrs[start]
+      out[head.name] = between
+      if head.opcode == "async-start":
+        for callee, _, _ in callees(head):
+          out[("wrapped", callee)] = between
   return out
 
 
@@ -363,17 +396,17 @@ def memory(compiled: Any) -> dict:
 
 # ------------------------------------------------------------------------------------------- helpers
 
-def _operand_name(token: str) -> str:
+def operand_name(token: str) -> str:
   return token.split()[-1].lstrip("%")
 
 
-def _bytes(instr: _Instr, kind: str, shapes: dict[str, str], done_shape: dict[str, str]) -> tuple[int, int, int]:
+def _bytes(instr: Instr, kind: str, shapes: dict[str, str], done_shape: dict[str, str]) -> tuple[int, int, int]:
   """(operand bytes, result bytes, the largest single array's bytes) of one collective."""
   operands = []
   for token in instr.operands:
     if len(token.split()) > 1:         # older printers put the operand's shape before its name
       operands.append(token.rsplit(None, 1)[0])
-    elif (name := _operand_name(token)) in shapes:
+    elif (name := operand_name(token)) in shapes:
       operands.append(shapes[name])
     else:
       raise ValueError(f"{instr.name}: operand {name!r} is not defined in its computation")
@@ -388,7 +421,7 @@ def _bytes(instr: _Instr, kind: str, shapes: dict[str, str], done_shape: dict[st
   return sum(shape_bytes(s) for s in operands), shape_bytes(result), largest
 
 
-def _varying_axes(instr: _Instr, groups: list[list[int]], mesh_shape: tuple[int, ...]) -> list[int]:
+def _varying_axes(instr: Instr, groups: list[list[int]], mesh_shape: tuple[int, ...]) -> list[int]:
   varying = np.zeros(len(mesh_shape), bool)
   for size in {len(g) for g in groups}:          # one vectorised pass per group size (usually one)
     ids_GxS = np.array([g for g in groups if len(g) == size], np.int64)

@@ -68,16 +68,17 @@ class Preset:
   devices_per_node: int
   hardware: Hardware
   source: str
+  target: str | None = None   # the compile target a planned mesh file names (gem_jax/parallel/targets/)
 
 
 HARDWARE: dict[str, Preset] = {p.name: p for p in (
     Preset("h200", 8, Hardware("NVIDIA H200 SXM", 9.89e14, 1.979e15, 1.41e11, 4.8e12, 4.5e11, 5.0e10),
            "NVIDIA H200 data sheet: 989 TFLOP/s bf16 and 1979 fp8 dense, 141 GB HBM3e at 4.8 TB/s, NVLink "
-           "900 GB/s (450 each way); one 400 Gb/s NIC per GPU (50 GB/s). Same as meshes/h200_1024_5d.yaml"),
+           "900 GB/s (450 each way); one 400 Gb/s NIC per GPU (50 GB/s). Same as meshes/h200_1024_5d.yaml", "h200"),
     Preset("h100", 8, Hardware("NVIDIA H100 SXM", 9.89e14, 1.979e15, 8.0e10, 3.35e12, 4.5e11, 5.0e10),
            "NVIDIA H100 SXM data sheet: 989 TFLOP/s bf16 and 1979 fp8 dense (half its with-sparsity "
            "figures), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s "
-           "ConnectX-7 per GPU (50 GB/s)"),
+           "ConnectX-7 per GPU (50 GB/s)", "h100"),
 )}
 
 
@@ -112,6 +113,8 @@ class Layout:
             "hardware": dataclasses.asdict(preset.hardware)}
     if self.table_rows != DEFAULT_TABLE_ROWS:
       data["rules"] = {"table_rows": list(self.table_rows)}
+    if preset.target is not None:
+      data["target"] = preset.target
     return data
 
   def mesh_spec(self, name: str, preset: Preset) -> MeshSpec:

@@ -16,6 +16,8 @@ Schema (meshes/README.md has the prose):
   rules: {logical_name: mesh axis | [mesh axes] | null}    # optional overrides of parallel/rules.py
                                                             # (parameter axes only: the batch always
                                                             # splits over the data axes)
+  target: h200                         # optional: the compile target (gem_jax/parallel/targets/, or a
+                                       # path): what experiments/compile_for.py compiles for without a GPU
 
 Device order: the product of the intra_node sizes must equal devices_per_node. Devices are grouped into
 nodes of consecutive devices (on CPU these are virtual nodes; on multi-process GPU runs
@@ -37,7 +39,7 @@ from gem_jax.parallel.rules import DATA_AXES, DEFAULT_RULES, MESH_AXES, Rules
 
 HARDWARE_KEYS = ("device", "peak_bf16_flops", "peak_fp8_flops", "hbm_bytes", "hbm_bandwidth",
                  "intra_node_bandwidth", "inter_node_bandwidth")
-TOP_KEYS = ("name", "description", "axes", "devices_per_node", "intra_node", "hardware", "rules")
+TOP_KEYS = ("name", "description", "axes", "devices_per_node", "intra_node", "hardware", "rules", "target")
 
 
 class MeshFileError(ValueError):
@@ -64,6 +66,7 @@ class MeshSpec:
   intra_node: tuple[tuple[str, int], ...]  # in MESH_AXES order, 1 where the axis spans nodes only
   hardware: Hardware
   rules: Rules = DEFAULT_RULES
+  target: str | None = None                # a compile target's name or file (gem_jax/parallel/target.py)
 
   @property
   def shape(self) -> dict[str, int]:
@@ -189,7 +192,23 @@ def parse(data: Any, source: str = "<mesh>") -> MeshSpec:
   return MeshSpec(name=data["name"], description=data.get("description", ""),
                   axes=tuple((a, sizes[a]) for a in MESH_AXES), devices_per_node=per_node,
                   intra_node=tuple((a, intra_sizes[a]) for a in MESH_AXES), hardware=hardware,
-                  rules=_rules(data, source))
+                  rules=_rules(data, source), target=_target(data.get("target"), source))
+
+
+def _target(name, source: str) -> str | None:
+  """The file's compile target, checked now: a relative path is read from the mesh file's folder."""
+  if name is None:
+    return None
+  from gem_jax.parallel import target as target_lib
+  if not isinstance(name, str) or not name:
+    raise MeshFileError(f"{source}: target must name a target ({list(target_lib.names())}) or a target file")
+  if name.endswith((".yaml", ".yml")) and not os.path.isabs(name):
+    name = os.path.join(os.path.dirname(source), name)
+  try:
+    target_lib.get(name)
+  except target_lib.TargetError as e:
+    raise MeshFileError(f"{source}: target: {e}") from None
+  return name
 
 
 def load(path: str | os.PathLike) -> MeshSpec:

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 from gem_jax import runtime
 from gem_jax.model import embeddings as embeddings_lib
 from gem_jax.parallel import sparse
+from gem_jax.parallel import target as target_lib
 from gem_jax.parallel.placement import TP_AXIS, Plan
 from gem_jax.parallel.rules import DATA_AXES, MESH_AXES
 from pallas_kernels import vma
@@ -175,10 +176,11 @@ def device_key(dropout_rng, p: Plan):
 
 @contextlib.contextmanager
 def installed(p: Plan, capacities: dict[str, int], stats: dict):
-  """The runtime of a trace inside shard_map: the distributed lookup, the tensor-parallel sum and the
-  context slices."""
+  """The runtime of a trace inside shard_map: the distributed lookup, the tensor-parallel sum, the
+  context slices and the target the step is built for (the mesh's devices decide kernels and FP8 paths)."""
   tensor_sum = _tensor_sum if p.mesh.shape[TP_AXIS] > 1 else (lambda x: x)
-  with runtime.using(lookup=_lookup_fn(p, capacities, stats), tensor_sum=tensor_sum, context=_context(p.mesh)):
+  with runtime.using(lookup=_lookup_fn(p, capacities, stats), tensor_sum=tensor_sum, context=_context(p.mesh),
+                     target=target_lib.of(p.mesh, p.spec)):
     yield
 
 

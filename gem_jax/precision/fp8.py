@@ -29,8 +29,10 @@ values are the same as quantizing in the backward pass, the memory is ~4x smalle
 Implementations (`impl`): "emulate" (dequantize, one float32 dot at HIGHEST precision: the CPU path
 and the numerical reference), "xla" (native: float8 x float8 dot_general with float32 accumulation
 for row/tensor-wise, which XLA lowers to cuBLASLt FP8 on Hopper; jax.nn.scaled_matmul for MX, cuDNN on
-Blackwell only), "pallas" and "triton" (pallas_kernels/fp8_gemm). "auto" is emulate on CPU and the
-native path on GPU where the hardware has it (MX on Hopper falls back to emulate).
+Blackwell only), "pallas" and "triton" (pallas_kernels/fp8_gemm). "auto" is emulate on CPU and an FP8
+tensor-core GEMM on GPU: native for row/tensor-wise and for MX on Blackwell, the Pallas MX kernel (one FP8
+dot per 32-block, promoted to float32 with its scales) on Hopper, which has no MX tensor cores. "GPU" is
+the platform of the program being built (gem_jax/runtime.py), not the host's backend.
 
 Non-finite inputs stay non-finite: a NaN or Inf in a block (MX), row (row-wise) or tensor makes its
 scale NaN and every value it scales NaN. Nothing is clamped except the format's saturation.
@@ -44,6 +46,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gem_jax import runtime
 from pallas_kernels import mx
 from pallas_kernels import vma
 
@@ -129,14 +132,18 @@ def _transpose(q, recipe: Recipe):
 # --- the GEMM on canonical operands: a (M x K, quantized along K) @ b (K x N, quantized along K) --------
 
 def _on_gpu() -> bool:
-  return jax.default_backend() == "gpu"
+  """The program being built is for a GPU (the step's target, gem_jax/runtime.py; not the host's backend)."""
+  return runtime.platform() == "gpu"
 
 
 def _has_native_mx() -> bool:
   """Blackwell (compute capability >= 10) has MX tensor cores; Hopper does not."""
   if not _on_gpu():
     return False
-  cc = getattr(jax.devices()[0], "compute_capability", "0")
+  target = runtime.compute_target()
+  if target is not None:
+    return target.has_mx_tensor_cores
+  cc = getattr(jax.devices()[0], "compute_capability", "0")  # a live GPU, outside a step
   return float(cc) >= 10.0
 
 
@@ -148,7 +155,7 @@ def resolve_impl(impl: str, recipe: Recipe) -> str:
   if not _on_gpu():
     return "emulate"
   if recipe.kind == "mx" and not _has_native_mx():
-    return "emulate"
+    return "pallas"
   return "xla"
 
 
@@ -170,13 +177,13 @@ def _native(a, b, recipe: Recipe):
   return out if recipe.kind == "bf16" else out * asc * bsc
 
 
-def _kernel(a, b, recipe: Recipe, impl: str):
+def _kernel(a, b, recipe: Recipe, impl: str, on_gpu: bool):
   (ae, asc), (be, bsc) = a, b
   if recipe.kind == "bf16":
     return _native(a, b, recipe)
   if impl == "pallas":
     from pallas_kernels.fp8_gemm import pallas as kernels
-    interpret = not _on_gpu()
+    interpret = not on_gpu
   else:
     from pallas_kernels.fp8_gemm import triton as kernels
     interpret = None
@@ -187,27 +194,31 @@ def _kernel(a, b, recipe: Recipe, impl: str):
                              jnp.broadcast_to(bsc, (1, be.shape[1])), **kw)
 
 
-def gemm(a, b, recipe: Recipe, impl: str):
-  """float32 (M x N) = a @ b for quantized a (M x K along K) and b (K x N along K)."""
+def gemm(a, b, recipe: Recipe, impl: str, on_gpu: bool | None = None):
+  """float32 (M x N) = a @ b for quantized a (M x K along K) and b (K x N along K). on_gpu: whether the
+  program is built for a GPU (default: the current platform, gem_jax/runtime.py)."""
+  on_gpu = _on_gpu() if on_gpu is None else on_gpu
   impl = resolve_impl(impl, recipe)
   if impl == "emulate":
     return _emulate(a, b, recipe)
   if impl == "xla":
     return _native(a, b, recipe)
-  return _kernel(a, b, recipe, impl)
+  return _kernel(a, b, recipe, impl, on_gpu)
 
 
 # --- the custom-VJP matmul --------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _matmul(x_MxK, w_KxN, recipe_name: str, impl: str):
+# `impl` arrives resolved and `on_gpu` decided in the forward: the backward is traced when the gradient is
+# transposed, after the step's runtime (and its target) has been uninstalled.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _matmul(x_MxK, w_KxN, recipe_name: str, impl: str, on_gpu: bool):
   recipe = get_recipe(recipe_name)
-  return gemm(quantize(x_MxK, 1, recipe), quantize(w_KxN, 0, recipe), recipe, impl)
+  return gemm(quantize(x_MxK, 1, recipe), quantize(w_KxN, 0, recipe), recipe, impl, on_gpu)
 
 
-def _matmul_fwd(x_MxK, w_KxN, recipe_name, impl):
+def _matmul_fwd(x_MxK, w_KxN, recipe_name, impl, on_gpu):
   recipe = get_recipe(recipe_name)
-  y_MxN = gemm(quantize(x_MxK, 1, recipe), quantize(w_KxN, 0, recipe), recipe, impl)
+  y_MxN = gemm(quantize(x_MxK, 1, recipe), quantize(w_KxN, 0, recipe), recipe, impl, on_gpu)
   # Residuals for backward, already quantized along the axis their backward GEMM contracts.
   x_along_m = quantize(x_MxK, 0, recipe)
   w_along_n = quantize(w_KxN, 1, recipe)
@@ -215,11 +226,11 @@ def _matmul_fwd(x_MxK, w_KxN, recipe_name, impl):
   return y_MxN, (x_along_m, w_along_n, dtypes)
 
 
-def _matmul_bwd(recipe_name, impl, residuals, g_MxN):
+def _matmul_bwd(recipe_name, impl, on_gpu, residuals, g_MxN):
   recipe = get_recipe(recipe_name)
   x_along_m, w_along_n, (x_dt, w_dt) = residuals
-  dx_MxK = gemm(quantize(g_MxN, 1, recipe, "grad"), _transpose(w_along_n, recipe), recipe, impl)
-  dw_KxN = gemm(_transpose(x_along_m, recipe), quantize(g_MxN, 0, recipe, "grad"), recipe, impl)
+  dx_MxK = gemm(quantize(g_MxN, 1, recipe, "grad"), _transpose(w_along_n, recipe), recipe, impl, on_gpu)
+  dw_KxN = gemm(_transpose(x_along_m, recipe), quantize(g_MxN, 0, recipe, "grad"), recipe, impl, on_gpu)
   # Under shard_map an operand that varies over fewer mesh axes than the other (a batch activation
   # against a weight that is varying everywhere) was broadcast in the forward; its cotangent is the sum
   # over those axes. The residuals carry each operand's own axes.
@@ -235,9 +246,7 @@ def matmul(x_MxK, w_KxN, recipe: str = "mxfp8", impl: str = "auto"):
   """float32 x @ w under `recipe` for 2-D operands (forward and both gradients quantized)."""
   if x_MxK.ndim != 2 or w_KxN.ndim != 2 or x_MxK.shape[1] != w_KxN.shape[0]:
     raise ValueError(f"fp8.matmul needs M x K and K x N operands, got {x_MxK.shape} and {w_KxN.shape}")
-  get_recipe(recipe)
-  resolve_impl(impl, get_recipe(recipe))
-  return _matmul(x_MxK, w_KxN, recipe, impl)
+  return _matmul(x_MxK, w_KxN, recipe, resolve_impl(impl, get_recipe(recipe)), _on_gpu())
 
 
 def dot_general(lhs, rhs, dimension_numbers, *, recipe: str = "mxfp8", impl: str = "auto",

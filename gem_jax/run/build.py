@@ -4,6 +4,11 @@
   run = build(cfg, abstract=True)    # the same with nothing allocated: shapes, shardings, the steps to trace
                                      # with jax.eval_shape (an abstract mesh and no steps when the mesh has
                                      # more devices than this process: the simulator, the planner)
+  run = build(cfg, target="h200")    # compile-only: the mesh file's nodes x GPUs as devices of that target
+                                     # (gem_jax/parallel/target.py), nothing allocated, the train and eval
+                                     # steps ready to lower and compile for it without a GPU
+                                     # (gem_jax/observe/compiled.py); the lookup capacities come from the
+                                     # source's first batch, as in a real run
 
 Order: the config, the mesh file and the devices are checked (gem_jax/check.py) before anything is built;
 then the source (gem_jax/data/sources.py, by cfg.data's type), the task (gem_jax/run/tasks.py, by
@@ -29,6 +34,7 @@ from gem_jax.data import sources
 from gem_jax.data import shards
 from gem_jax.parallel import mesh as mesh_lib
 from gem_jax.parallel import host_exchange, lookups, placement
+from gem_jax.parallel import target as target_lib
 from gem_jax.parallel.rules import DATA_AXES
 from gem_jax.run import optim, step as step_lib, tasks
 
@@ -76,6 +82,12 @@ class Run:
     """A sharded host batch on the mesh: leading dim over the data axes. Each process of a multi-process
     run transfers only its own devices' shards (make_array_from_callback)."""
     return shards.place(sharded, self.mesh, DATA_AXES)
+
+  def batch_struct(self, host_batch):
+    """ShapeDtypeStructs of a host batch as placed on the mesh (what a compile-only step is lowered with)."""
+    sharding = NamedSharding(self.mesh, jax.sharding.PartitionSpec(DATA_AXES))
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding),
+                                  self.shard(host_batch))
 
   def device_batch(self, host_batch):
     return self.feed(host_batch)[0]
@@ -139,13 +151,21 @@ def mesh_spec_of(cfg) -> mesh_lib.MeshSpec:
 
 
 def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch=None,
-          capacity_slack: float = 1.05, capacity_multiple: int = 1) -> Run:
+          capacity_slack: float = 1.05, capacity_multiple: int = 1, target=None) -> Run:
   """The run of `cfg` (module docstring). devices: the devices of the mesh (default: all of this process's
   view, jax.devices(); one device without a mesh file; an abstract run checks the mesh against them only
   when given). source: a built source to reuse (the one-device
   baseline of a mesh run). first_batch: the host batch the lookup capacities are sized on (default the
-  source's first training batch)."""
+  source's first training batch). target: a target name, file or target_lib.Target to build for with
+  compile-only devices (the mesh file's topology; nothing is allocated and the steps are for .lower())."""
   mesh_spec = mesh_spec_of(cfg)
+  compile_only = target is not None
+  if compile_only:
+    if devices is not None or abstract:
+      raise ValueError("build: target= makes its own compile-only devices; give neither devices nor abstract")
+    name = target_lib.register(target) if isinstance(target, target_lib.Target) else target
+    devices = target_lib.topology_devices(target_lib.get(name), mesh_spec)
+    mesh_spec = dataclasses.replace(mesh_spec, target=name)
   if devices is None and not abstract:
     devices = jax.devices() if cfg.mesh is not None else jax.devices()[:1]
   check.check_config(cfg, None if cfg.mesh is None else mesh_spec,
@@ -158,7 +178,8 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
   make_model = lambda: task.build_model(cfg, source, nnx.Rngs(seed))
   model = nnx.eval_shape(make_model)
   check.check_tensor_parallel(nnx.state(model, nnx.Param), mesh_spec)
-  if not abstract:
+  allocate = not (abstract or compile_only)
+  if allocate:
     # Initialized by one compiled program: eager init compiles every initializer op on its own (about 90
     # small programs for GEM, most of a small run's start-up), and one program is also what the persistent
     # compilation cache can keep.
@@ -171,8 +192,9 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
   # An abstract run on no more devices than this process has gets a real mesh (nothing is placed on it, and
   # its steps can be traced with jax.eval_shape); a larger one (the simulator's clusters) an abstract mesh.
   local = abstract and mesh_spec.num_devices <= len(jax.devices())
-  if abstract:
-    mesh = (mesh_lib.build_mesh(mesh_spec, jax.devices()[:mesh_spec.num_devices]) if local
+  if not allocate:
+    mesh = (mesh_lib.build_mesh(mesh_spec, devices) if compile_only else
+            mesh_lib.build_mesh(mesh_spec, jax.devices()[:mesh_spec.num_devices]) if local
             else mesh_lib.build_abstract_mesh(mesh_spec))
     state = jax.eval_shape(lambda p: step_lib.init_state(p, optimizer, task.train_key(seed)), params)
   else:
@@ -180,7 +202,7 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
     # One program for the optimizer state and the key too (eagerly, each leaf's zeros would compile alone).
     state = jax.jit(lambda p: step_lib.init_state(p, optimizer, task.train_key(seed)))(params)
   p = placement.plan(state.params, mesh, mesh_spec)
-  if abstract:
+  if not allocate:
     shardings = placement.state_shardings(state, p)
     state = jax.tree_util.tree_map(
         lambda s, sub: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub),
@@ -194,7 +216,7 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
                                               capacity_slack, capacity_multiple, cfg.train.embedding_update)
   run = Run(cfg, source, task, mesh_spec, mesh, p, optimizer, graphdef, rest, state, capacities,
             sync_capacities)
-  if not abstract or local:
+  if not abstract or local:  # compile-only builds included
     run.train_step = step_lib.make_train_step(graphdef, rest, optimizer, task, p, state, capacities,
                                               cfg.train.embedding_update, sync_capacities)
     run.eval_step = step_lib.make_eval_step(graphdef, rest, task, p, state.params, capacities)

@@ -13,13 +13,15 @@ Layouts (as reference.py):
 Both kernels run on the grid (Mp / bm, Np / bn); each program loops over the K tiles in-kernel with a
 float32 accumulator (Pallas-Triton has no scratch memory and no ordered grid axis to accumulate over).
 
-  mx_gemm      per K tile: load the float8 tiles and their scales, dequantize in the kernel
-               (elem * 2^scale, broadcast over each 32-wide block), one bf16 x bf16 -> f32 dot. An
-               E4M3/E5M2 element times a power of two has at most 4 significant bits, so it is exact in
-               bf16 while it is a normal number: the dot is exact up to float32 summation order. Scales
-               enter the kernel as their uint8 bit patterns (bitcast in the wrapper; Triton has no
-               E8M0 type) and 2^scale is built from the bits: exponent field = the e8m0 byte, 0 -> 2^-127
-               (a float32 subnormal), 0xFF -> NaN.
+  mx_gemm      per 32-wide MX block along K: one float8 x float8 -> f32 dot of the block (the FP8 tensor
+               cores on Hopper, which have no block-scaled MMA), promoted into the float32 accumulator
+               times the block's two scales: acc += (A_blk @ B_blk) * 2^sa * 2^sb. Hopper's FP8 MMA keeps
+               fewer accumulator bits than float32, so partial sums are promoted often (every 128
+               elements in DeepSeek-V3's FP8 GEMMs, arXiv 2412.19437 sec. 3.3.2; every 32 here, the MX
+               block). Scales enter the kernel as their uint8 bit patterns (bitcast in the wrapper; Triton
+               has no E8M0 type) and 2^scale is built from the bits: exponent field = the e8m0 byte,
+               0 -> 2^-127 (a float32 subnormal), 0xFF -> NaN. Operands of two float8 types (E4M3 x E5M2)
+               go through bf16, which holds either exactly.
   scaled_gemm  per K tile: one float8 x float8 -> f32 dot (the FP8 tensor cores on Hopper; upcast to
                float32 in interpret mode, where XLA:CPU has no float8 dot); the row/column scales
                multiply the accumulator once in the epilogue: (A_e @ B_e) * sa * sb.
@@ -105,21 +107,24 @@ def _pow2_from_e8m0(bits_u8):
   return lax.bitcast_convert_type(f32_bits, jnp.float32)
 
 
-def _mx_kernel(a_ref, sa_ref, b_ref, sb_ref, out_ref, *, block_k: int):
+def _mx_kernel(a_ref, sa_ref, b_ref, sb_ref, out_ref, *, block_k: int, upcast: bool):
   bm, bn = out_ref.shape
   kb = block_k // mx.BLOCK_SIZE
 
   def body(t, acc_MxN):
     k0 = pl.multiple_of(t * block_k, block_k)
-    kb0 = pl.multiple_of(t * kb, kb)
-    a_MxkbxB = a_ref[:, pl.ds(k0, block_k)].astype(jnp.float32).reshape(bm, kb, mx.BLOCK_SIZE)
-    sa_Mxkbx1 = _pow2_from_e8m0(sa_ref[:, pl.ds(kb0, kb)])[:, :, None]
-    b_kbxBxN = b_ref[pl.ds(k0, block_k), :].astype(jnp.float32).reshape(kb, mx.BLOCK_SIZE, bn)
-    sb_kbx1xN = _pow2_from_e8m0(sb_ref[pl.ds(kb0, kb), :])[:, None, :]
-    # Exact casts: a float8 element times a power of two fits bf16's 8-bit significand.
-    a_Mxk = (a_MxkbxB * sa_Mxkbx1).reshape(bm, block_k).astype(jnp.bfloat16)
-    b_kxN = (b_kbxBxN * sb_kbx1xN).reshape(block_k, bn).astype(jnp.bfloat16)
-    return acc_MxN + _dot_f32(a_Mxk, b_kxN)
+    for j in range(kb):  # unrolled: kb dots per K tile keep Triton's pipeline fed
+      at = pl.multiple_of(k0 + j * mx.BLOCK_SIZE, mx.BLOCK_SIZE)
+      a_MxB, b_BxN = a_ref[:, pl.ds(at, mx.BLOCK_SIZE)], b_ref[pl.ds(at, mx.BLOCK_SIZE), :]
+      if upcast:  # float8 products are exact in float32, so this changes nothing but the backend
+        a_MxB, b_BxN = a_MxB.astype(jnp.float32), b_BxN.astype(jnp.float32)
+      elif a_MxB.dtype != b_BxN.dtype:  # Pallas-Triton's dot takes one element type; bf16 is exact
+        a_MxB, b_BxN = a_MxB.astype(jnp.bfloat16), b_BxN.astype(jnp.bfloat16)
+      sa_Mx1 = _pow2_from_e8m0(sa_ref[:, pl.ds(t * kb + j, 1)])
+      sb_1xN = _pow2_from_e8m0(sb_ref[pl.ds(t * kb + j, 1), :])
+      # Scaled one side at a time: sa * sb alone may underflow where the product with the sum does not.
+      acc_MxN = acc_MxN + (_dot_f32(a_MxB, b_BxN) * sa_Mx1) * sb_1xN
+    return acc_MxN
 
   num_k_tiles = a_ref.shape[1] // block_k
   out_ref[...] = lax.fori_loop(0, num_k_tiles, body, jnp.zeros((bm, bn), jnp.float32))
@@ -156,7 +161,7 @@ def _gemm_call(kernel, a_MpxKp, sa_MpxS, b_KpxNp, sb_SxNp, bm: int, bn: int, nam
       out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
       out_shape=vma.shape_dtype((mp, np_), jnp.float32, a_MpxKp, sa_MpxS, b_KpxNp, sb_SxNp),
       # Triton by name: without it jax >= 0.10 lowers pallas_call to Mosaic GPU on NVIDIA.
-      # 8 warps from 128 x 128 tiles keep the f32 accumulator and dequantized tiles out of local memory.
+      # 8 warps from 128 x 128 tiles keep the f32 accumulator out of local memory.
       compiler_params=pl_triton.CompilerParams(num_warps=8 if bm * bn >= 128 * 128 else 4,
                                                num_stages=3),
       interpret=interpret, name=name), a_MpxKp, sa_MpxS, b_KpxNp, sb_SxNp, interpret=interpret)
@@ -186,7 +191,7 @@ def mx_gemm(a_elems_MxK, a_scales_MxKb, b_elems_KxN, b_scales_KbxN, *, block_m: 
   sa_MpxKbp = _pad2(lax.bitcast_convert_type(a_scales_MxKb, jnp.uint8), mp, kbp, 0)
   sb_KbpxNp = _pad2(lax.bitcast_convert_type(b_scales_KbxN, jnp.uint8), kbp, np_, 0)
   out_MpxNp = _gemm_call(
-      functools.partial(_mx_kernel, block_k=bk), _pad2(a_elems_MxK, mp, kp, 0), sa_MpxKbp,
+      functools.partial(_mx_kernel, block_k=bk, upcast=interpret), _pad2(a_elems_MxK, mp, kp, 0), sa_MpxKbp,
       _pad2(b_elems_KxN, kp, np_, 0), sb_KbpxNp, bm, bn, "fp8_mx_gemm", interpret)
   return out_MpxNp[:m, :n]
 
