@@ -124,7 +124,8 @@ def _gpu_config(name: str, *, users, ads, advertisers, categories, embed_dim, ma
 
 @register
 def base() -> Config:
-  """One GPU node (8 x H200): `python experiments/train.py --config base` (mesh files: the mesh issue).
+  """One GPU node (8 x H200): `python experiments/train.py --config base --mesh meshes/h200_8.yaml`; compiled for
+  it without a GPU: `python experiments/compile_for.py --config base --mesh meshes/h200_8.yaml` (README).
 
   params: 1.95B sparse, 30.3M dense; forward FLOPs/example at 256 history tokens: 9.65e+08
   """
@@ -136,7 +137,7 @@ def base() -> Config:
 
 @register
 def large() -> Config:
-  """128 nodes x 8 H200 (meshes/h200_1024_5d.yaml).
+  """128 nodes x 8 H200 (meshes/h200_1024_5d.yaml; meshes/plan_large_1024.yaml is the planner's layout).
 
   params: 154B sparse, 615M dense; forward FLOPs/example at 256 history tokens: 8.16e+09
   """

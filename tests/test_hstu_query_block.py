@@ -21,10 +21,12 @@ def _case(seed, lengths, capacity):
   return q, k, v, offsets, bias
 
 
+# chunk: query slots per step of the block's scan; 3 and 5 cut the block (and rows) into several windows.
+@pytest.mark.parametrize("chunk", [256, 3, 5])
 @pytest.mark.parametrize("blocks", [2, 3, 4])
 @pytest.mark.parametrize("kw", [dict(), dict(contextual_seq_len=2, targets=True), dict(max_attn_len=3, causal=True),
                                 dict(causal=False)], ids=["plain", "ctx_targets", "window", "bidirectional"])
-def test_blocks_reproduce_the_whole_layout(blocks, kw):
+def test_blocks_reproduce_the_whole_layout(blocks, kw, chunk):
   kw = dict(kw)
   lengths = np.array([5, 0, 12, 3, 7, 1])
   capacity = 36  # 28 real tokens + tail padding
@@ -34,12 +36,13 @@ def test_blocks_reproduce_the_whole_layout(blocks, kw):
   want = np.asarray(ref.hstu_attention(q, k, v, offsets, **args))
   size = capacity // blocks
   got = np.concatenate([np.asarray(hstu_attention_query_block(q[b * size:(b + 1) * size], k, v, offsets,
-                                                              b * size, **args)) for b in range(blocks)])
+                                                              b * size, chunk=chunk, **args)) for b in range(blocks)])
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   assert np.all(got[offsets[-1]:] == 0)
 
 
-def test_gradients_match_the_reference():
+@pytest.mark.parametrize("chunk", [256, 2])
+def test_gradients_match_the_reference(chunk):
   lengths = np.array([4, 9, 6])
   q, k, v, offsets, bias = _case(7, lengths, 20)
   args = dict(max_seq_len=N, alpha=0.5, contextual_seq_len=1, rel_bias_HxR=None)
@@ -49,7 +52,7 @@ def test_gradients_match_the_reference():
     return jnp.sum(ref.hstu_attention(q, k, v, offsets, **args) * w)
 
   def blocked(q, k, v):
-    outs = [hstu_attention_query_block(q[s:s + 5], k, v, offsets, s, **args) for s in range(0, 20, 5)]
+    outs = [hstu_attention_query_block(q[s:s + 5], k, v, offsets, s, chunk=chunk, **args) for s in range(0, 20, 5)]
     return jnp.sum(jnp.concatenate(outs) * w)
 
   for a, b in zip(jax.grad(whole, (0, 1, 2))(q, k, v), jax.grad(blocked, (0, 1, 2))(q, k, v)):

@@ -18,6 +18,7 @@ import glob
 import json
 import math
 import os
+import sys
 import time
 
 from gem_jax.observe import plan as plan_lib
@@ -223,6 +224,24 @@ def matching_meshes(devices: int, device_name: str) -> list[str]:
   return out
 
 
+def _progress_printer(every_s: float = 5.0):
+  """A plan() progress callback printing a line to stderr at most every `every_s` seconds, and at the end."""
+  last = [-every_s]
+
+  def show(p: dict) -> None:
+    if p["seconds"] - last[0] < every_s and p["done"] < p["total"]:
+      return
+    last[0] = p["seconds"]
+    c, best = p["counts"], p["best"]
+    lead = (f"best so far {best.layout.axes_label} (rows over {best.layout.rows_label}, inside a node "
+            f"{best.layout.intra_label}): {_ms(best.step_s)} ms, {best.memory_bytes / GB:.1f} GB" if best
+            else "nothing fits yet")
+    print(f"  [{p['seconds']:5.0f} s] {p['done']}/{p['total']} axis sizes x table rules, {c['simulated']} simulated, "
+          f"{c['pruned_tables_exceed_hbm']} pruned, {c['layouts_timed']} layouts timed; {lead}",
+          file=sys.stderr, flush=True)
+  return show
+
+
 def plan_mesh(cfg, devices: int, preset, *, baseline_paths: list[str] | None = None, out_mesh: str | None = None,
               json_path: str | None = None, top: int = 10, command: str = "", **options) -> dict:
   """Plans `cfg` on `devices` of `preset` (plan_lib.get_preset), prints the search counts, the ranked table
@@ -231,7 +250,10 @@ def plan_mesh(cfg, devices: int, preset, *, baseline_paths: list[str] | None = N
   the same device count and device). options: plan()'s keywords."""
   t0 = time.perf_counter()
   paths = baseline_paths if baseline_paths is not None else matching_meshes(devices, preset.hardware.device)
-  result = plan_lib.plan(cfg, devices, preset, baseline_meshes=[mesh_lib.load(x) for x in paths], **options)
+  print(f"planning {cfg.name} on {devices} x {preset.hardware.device}: reading the model and sample batches ...",
+        file=sys.stderr, flush=True)
+  result = plan_lib.plan(cfg, devices, preset, baseline_meshes=[mesh_lib.load(x) for x in paths],
+                         progress=_progress_printer(), **options)
   c = result.counts
   print(f"{cfg.name} on {devices} x {preset.hardware.device} ({devices // preset.devices_per_node} nodes "
         f"of {preset.devices_per_node}), global batch {result.batch_size}: {c['axis_sizes']} axis sizes x table "
@@ -306,8 +328,9 @@ def simulation_lines(sim: dict, mesh_spec, config: str) -> list[str]:
                  f"{hw.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16")
   m = sim["memory"]
   unit, scale = _unit(max(m["total"], m["hbm_bytes"] or 0.0))
-  kinds = ("params", "optimizer", "gradients", "gathered_params", "activations")
+  kinds = ("params", "optimizer", "gradients", "gathered_params", "activations", "embedding_update")
   mem = ", ".join(f"{k} {m[k] / scale:.2f}" for k in kinds)
+  mem += " (total: params + optimizer + gradients + the larger of gathered + activations and embedding_update)"
   if m["hbm_bytes"] is None:
     lines.append(f"memory per device ({unit}): {mem} = {m['total'] / scale:.2f} (no HBM size in the mesh file)")
   else:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from gem_jax.model import embeddings as embeddings_lib
 from gem_jax.observe import simulate as sim_lib
@@ -330,10 +330,13 @@ class Plan:
 def plan(cfg, devices: int, hardware: str | Preset = "h200", *, batch_size: int | None = None,
          mean_history: float | None = None, overlap: float = 0.9, efficiency: float = 0.5,
          max_tensor: int = MAX_TENSOR, max_context: int = MAX_CONTEXT,
-         baseline_meshes: Sequence[MeshSpec] = (), shapes: sim_lib.ModelShapes | None = None) -> Plan:
+         baseline_meshes: Sequence[MeshSpec] = (), shapes: sim_lib.ModelShapes | None = None,
+         progress: Callable[[dict], None] | None = None) -> Plan:
   """Rank every candidate layout of `devices` devices of `hardware` for `cfg` (module docstring).
 
   baseline_meshes: hand-written mesh specs to compare with (same device count), reported by their name.
+  progress: called with {"done", "total", "counts", "best", "seconds"} after each simulated size and rule
+  (best: the fastest fitting Scored so far, or None), so a long search can say where it is.
   """
   t0 = time.perf_counter()
   preset = get_preset(hardware)
@@ -359,7 +362,7 @@ def plan(cfg, devices: int, hardware: str | Preset = "h200", *, batch_size: int 
                      f"tensor-parallel widths {tensor_widths(shapes.params)}, context <= {max_context} takes the rest")
   counts = {"axis_sizes": len(sizes_list), "sizes_and_rules": 0, "pruned_tables_exceed_hbm": 0,
             "simulated": 0, "layouts_timed": 0, "fitting": 0}
-  scored = []
+  scored, best, total = [], None, sum(len(table_rules(sizes)) for sizes in sizes_list)
   for sizes in sizes_list:
     for rows in table_rules(sizes):
       counts["sizes_and_rules"] += 1
@@ -374,6 +377,11 @@ def plan(cfg, devices: int, hardware: str | Preset = "h200", *, batch_size: int 
       for intra, spec in zip(splits, specs):
         t = sim_lib.retime(sim, spec, overlap=overlap, efficiency=efficiency)
         scored.append(Scored(Layout(sizes, intra, rows), spec, sim, t))
+        if scored[-1].fits and (best is None or _sort_key(scored[-1]) < _sort_key(best)):
+          best = scored[-1]
+      if progress is not None:
+        progress({"done": counts["sizes_and_rules"], "total": total, "counts": dict(counts, layouts_timed=len(scored)),
+                  "best": best, "seconds": time.perf_counter() - t0})
   counts["layouts_timed"] = len(scored)
   ranked = sorted((s for s in scored if s.fits), key=_sort_key)
   counts["fitting"] = len(ranked)

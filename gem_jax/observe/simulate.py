@@ -48,10 +48,15 @@ model: parameter collectives (gathers, reduce-scatters, gradient all-reduces) hi
 
 Memory (estimates, bytes per device): params and optimizer state are exact shard sizes of the
 placement; gradients = param shards; gathered = the whole dense params (a tensor slice each) that the
-HSDP gather keeps alive for the backward; activations = the main tensors a layer keeps for its backward
-(HSTU: 4 T x D + uvqk before and after SiLU + 3 attention-width tensors, Wukong: ~3 inputs and outputs
-plus the MLP hidden, embedding rows), no attention matrices (flash kernels keep them on chip), no XLA
-temporaries or fragmentation.
+HSDP gather keeps alive for the backward; activations = what a layer keeps for its backward, as XLA:GPU's
+buffer assignment of compiled train steps showed it (HSTU per token slot: the uvqk projection's float32
+output, which SiLU's backward reads, q, k, v and the output as the attention kernel gets them, and _D_WIDE
+model-width tensors; Wukong: ~3 inputs and outputs plus the MLP hidden; embedding rows), no attention
+matrices (the kernels keep them on chip); embedding_update (sparse engine) = the largest table's largest
+merge: its (id, row) input slots, f32, twice the rows they sum into (the zeros and the sums) and twice the
+rows of the merge before it (table_sync: the slots are static, set by the ids read, not the rows touched). total = params + optimizer + gradients + the larger
+of the backward's (gathered + activations) and the update's working set, which never overlap. Compiled
+memory (experiments/compile_for.py) is the check: within 10% on base / h200_8 and large / h200_1024_5d.
 
 This module must never compile, allocate a parameter, or touch a device.
 """
@@ -73,6 +78,11 @@ from gem_jax.parallel.mesh import MeshSpec, check_batch
 from gem_jax.parallel.rules import MESH_AXES
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
+# Read off XLA:GPU's buffer assignment at the peak of a compiled train step (experiments/compile_for.py;
+# 2026-12-03, base on h200_8, jax 0.10.2):
+_D_WIDE = 10       # model-width (T x D) tensors in the compute dtype an HSTU layer keeps live across the
+                   # backward: its input, norms, u * norm(a), output and residual, and the masked / broadcast
+                   # copies XLA materializes of them (base: ~10 per layer)
 _SAMPLES = 8192  # history lengths sampled from the source to average FLOPs and token counts over
 _LOOKUP_SAMPLE_SHARDS = 8  # sample data shards of b rows whose lookup ids size the capacities
 
@@ -93,13 +103,14 @@ def history_lengths(shapes: ModelShapes, mean_history: float | None, max_len: in
   return shapes.lengths()
 
 
-def _capacity(ids_SxN: np.ndarray, num_rows: int, owners: int, shards: int, slack: float) -> int:
-  """C of one lookup call on a mesh of `shards` data shards from the sample shards' ids (module docstring)."""
-  if shards <= ids_SxN.shape[0]:
-    return sparse.capacity_for(list(ids_SxN[:shards]), num_rows, owners, slack, multiple=1)
-  mu = float(np.mean([np.unique(row).size for row in ids_SxN])) / owners
+def _capacity(uniq: list[np.ndarray], ids: int, num_rows: int, owners: int, shards: int, slack: float) -> int:
+  """C of one lookup call on a mesh of `shards` data shards from the distinct valid ids of each sample shard
+  (`ids` per shard in all; module docstring)."""
+  if shards <= len(uniq):
+    return sparse.capacity_for(uniq[:shards], num_rows, owners, slack, multiple=1)
+  mu = float(np.mean([u.size for u in uniq])) / owners
   worst = mu + math.sqrt(2.0 * math.log(max(owners * shards, 2)) * mu)
-  return int(max(1, min(ids_SxN.shape[1], math.ceil(round(slack * worst, 9)))))
+  return int(max(1, min(ids, math.ceil(round(slack * worst, 9)))))
 
 
 def _bucket(tokens: float, batch: int, pipeline, spec) -> int:
@@ -162,6 +173,8 @@ class ModelShapes:
   _flops: Any = None
   _lengths: Any = None
   _lookups: dict = dataclasses.field(default_factory=dict)
+  _uniques: dict = dataclasses.field(default_factory=dict)
+  _memos: dict = dataclasses.field(default_factory=dict)
 
   @property
   def params(self):
@@ -196,6 +209,31 @@ class ModelShapes:
       sample = source.shard(source.sample(rows * _LOOKUP_SAMPLE_SHARDS, index=0), _LOOKUP_SAMPLE_SHARDS)
       self._lookups[rows] = lookups.lookup_ids(self.run.graphdef, self.run.rest, self.params, self.run.task, sample)
     return self._lookups[rows]
+
+  def uniques(self, rows: int) -> tuple[list, dict]:
+    """([(call key, distinct valid ids of each sample shard, ids per shard)] in lookups(rows) order,
+    {table: (distinct valid ids of each sample shard over all its calls, ids per shard)}), computed once
+    per row count: every layout the planner simulates reads the same sample."""
+    if rows not in self._uniques:
+      spec = self.run.source.spec
+      valid = lambda x, v: np.unique(x[(x >= 0) & (x < v)])
+      calls, by_table = [], {}
+      for key, ids_SxN in self.lookups(rows):
+        table = key.rsplit("/", 1)[0]
+        v = spec.table(table).vocab_size
+        ids_SxN = np.asarray(ids_SxN).reshape(len(ids_SxN), -1)
+        calls.append((key, [valid(row, v) for row in ids_SxN], ids_SxN.shape[1]))
+        by_table.setdefault(table, []).append(ids_SxN)
+      tables = {}
+      for table, parts in by_table.items():
+        ids_SxN = np.concatenate(parts, axis=1)
+        tables[table] = ([valid(row, spec.table(table).vocab_size) for row in ids_SxN], ids_SxN.shape[1])
+      self._uniques[rows] = (calls, tables)
+    return self._uniques[rows]
+
+  def memo(self, rows: int) -> dict:
+    """A cache for results derived from the sample shards of `rows` rows (table_sync's unions)."""
+    return self._memos.setdefault(rows, {})
 
 
 def model_shapes(cfg) -> ModelShapes:
@@ -262,12 +300,13 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
   # Embedding all-to-all, round 1 of every lookup call of a row-sharded table: the calls and their distinct
   # ids read off the model on sample shards of b rows; the worst of P x S buckets is near mu + sqrt(2 ln(PS) mu).
   capacities = {}
-  for key, ids_SxN in shapes.lookups(b):
+  call_uniques, table_uniques = shapes.uniques(b)
+  for key, uniq, n in call_uniques:
     table = key.rsplit("/", 1)[0]
     axes = p.table_axes.get(table, ())
     if axes:
       owners = math.prod(shape[a] for a in axes)
-      c = _capacity(ids_SxN, spec.table(table).vocab_size, owners, shards, capacity_slack)
+      c = _capacity(uniq, n, spec.table(table).vocab_size, owners, shards, capacity_slack)
       capacities[key] = max(c, capacities.get(key, 0))
   n_hist = min(cap, b * keep[0])
   for key, c in capacities.items():
@@ -275,15 +314,23 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
     axes = p.table_axes[table]
     owners = math.prod(shape[a] for a in axes)
     row = owners * c * spec.table(table).dim * np.dtype(model_cfg.params_dtype).itemsize
-    for _ in range(sum(1 for k, _ in shapes.lookups(b) if k == key)):
+    for _ in range(sum(1 for k, _, _ in call_uniques if k == key)):
       comm.ring("embedding_forward", "all-to-all", axes, owners * c * 4 + row)
       if not sparse_engine:
         comm.ring("embedding_backward", "all-to-all", axes, row)
+  update_bytes = 0.0
   if sparse_engine:
     from gem_jax.observe import table_sync
-    for kind, axes, full in table_sync.sync_collectives(shapes.lookups(b), p.table_axes, spec, shape, shards,
-                                                          capacity_slack, _capacity):
+    syncs, merges = table_sync.sync_collectives(table_uniques, p.table_axes, spec, shape, shards, capacity_slack,
+                                                _capacity, shapes.memo(b))
+    for kind, axes, full in syncs:
       comm.ring("embedding_update", kind, axes, full)
+    # The tables are updated one after another; the largest merge sets the update's peak.
+    # A merge holds its input slots (id and row), the zeros it scatter-adds them into and their sums; the
+    # merge before it (the owner's received rows, and their slice to the block) is still live.
+    update_bytes = float(max(((slots * (spec.table(table).dim + 1) + 2 * (min(slots, rows + 1) + held)
+                               * spec.table(table).dim) * 4 for table, (slots, rows, held) in merges.items()),
+                             default=0))
 
   # Tensor- and context-parallel activations, per HSTU / Wukong layer and the heads.
   h = model_cfg.hstu
@@ -326,9 +373,11 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
                    if not isinstance(v, spmd.embeddings_lib.Table))
   hist_dims = sum(spec.table(fld.table).dim for fld in spec.sequence.fields)
   activations = float(n_hist * hist_dims * 4 + n_hist * d * act)
+  tp = t if hstu_tp else 1
+  kernel_width = h.num_heads * (2 * h.head_dim + 2 * h.value_dim)  # q, k, v and the output, every head
   for rows in rows_per_layer:
     local = -(-rows // cp)
-    activations += act * (4 * rows * d + local * (2 * uvqk + 3 * hdv) / (t if hstu_tp else 1))
+    activations += local * (4 * uvqk + act * kernel_width) / tp + act * _D_WIDE * rows * d
   f_in = len(spec.sparse) + (1 if spec.dense_dim else 0) + model_cfg.hstu.num_contextual + 1 + model_cfg.num_recent
   activations += model_cfg.num_layers * act * b * (
       3 * f_in * e + 3 * (w.fm_outputs + w.lcb_outputs) * e + f_in * w.fm_rank + 2 * w.mlp_hidden / t)
@@ -336,8 +385,11 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
   dense_params = nnx.split_state(params, spmd.embeddings_lib.Table, ...)[1]
   grad_bytes = _shard_bytes(dense_params, p.tree_specs(dense_params), shape) if sparse_engine else param_bytes
   memory = {"params": param_bytes, "optimizer": _shard_bytes(opt_state, p.tree_specs(opt_state), shape),
-            "gradients": grad_bytes, "gathered_params": dense_full, "activations": activations}
-  memory["total"] = float(sum(memory.values()))
+            "gradients": grad_bytes, "gathered_params": dense_full, "activations": activations,
+            "embedding_update": update_bytes}
+  # The forward/backward and the table update do not overlap: the activations are gone when the update runs.
+  memory["total"] = float(memory["params"] + memory["optimizer"] + grad_bytes
+                          + max(dense_full + activations, update_bytes))
   memory["hbm_bytes"] = hw.hbm_bytes
   memory["fits"] = None if hw.hbm_bytes is None else memory["total"] <= hw.hbm_bytes
 

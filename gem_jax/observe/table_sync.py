@@ -24,21 +24,36 @@ def _worst(counts: list[int], groups: int, slack: float, cap: int) -> int:
   return int(max(1, min(cap, math.ceil(round(slack * worst, 9)))))
 
 
-def sync_collectives(calls, table_axes, spec, shape, shards: int, slack: float, capacity) -> list:
-  """[(kind, axes, full bytes)] of the update's collectives on a mesh of axis sizes `shape` with `shards`
-  data shards, from sample shards' ids of the lookup calls (the simulator's model of
-  table_update.update_tables). capacity(ids_SxN, rows, owners, shards, slack): the simulator's
-  owner-slot estimate."""
-  out = []
-  by_table: dict[str, list[np.ndarray]] = {}
-  for key, ids_SxN in calls:
-    by_table.setdefault(key.rsplit("/", 1)[0], []).append(np.asarray(ids_SxN).reshape(len(ids_SxN), -1))
+def _received(uniq: list[np.ndarray], rows: int, owners: int) -> list[int]:
+  """Distinct ids one owner receives from the `owners` shards it serves: unions of that many sample shards
+  where there are enough, else each shard's share (an upper bound: unions overlap)."""
+  if owners <= len(uniq):
+    return [int(np.bincount(np.unique(np.concatenate(uniq[i:i + owners])) // rows, minlength=owners).max())
+            for i in range(0, len(uniq) - owners + 1, owners)]
+  return [int(np.unique(np.concatenate(uniq)).size / len(uniq))]
+
+
+def sync_collectives(tables, table_axes, spec, shape, shards: int, slack: float, capacity,
+                     memo: dict | None = None) -> tuple[list, dict]:
+  """([(kind, axes, full bytes)] of the update's collectives, {table: (the (id, row) slots its largest merge
+  takes, the rows it may sum them into, the rows of an earlier merge still held)}) on a mesh of axis sizes
+  `shape` with `shards` data shards (the simulator's model of table_update.update_tables).
+
+  A merge (table_update._merge_rows) sums (id, row) pairs into min(slots, rows + 1) distinct rows. Its
+  slots are static: a collective's fallback rounds (table_update._in_rounds, sparse.send_to_owners) return
+  every slot they might carry, run or not, so an owner merges P x U received slots (U = min(ids a device
+  reads, V)) and the all-gather across n copies hands n x min(P x U, rows per owner) slots to the last
+  merge, however few rows the batch touched: the capacities size the collectives' bytes, not the merges.
+
+  tables: {table: (the distinct valid ids of each sample shard, all its calls together; ids per shard)}.
+  capacity(uniq, ids per shard, rows, owners, shards, slack): the simulator's owner-slot estimate. memo: a
+  dict kept across calls on the same sample shards (the planner simulates hundreds of layouts of one
+  config), for the unions it would redo."""
+  memo = {} if memo is None else memo
+  out, merge = [], {}
   copy_ct = [a for a in COPY_AXES if shape[a] > 1]
-  for table, parts in by_table.items():
+  for table, (uniq, n) in tables.items():
     v, e = spec.table(table).vocab_size, spec.table(table).dim
-    ids_SxN = np.concatenate(parts, axis=1)
-    n = ids_SxN.shape[1]
-    uniq = [np.unique(row[(row >= 0) & (row < v)]) for row in ids_SxN]
     c_u = _worst([u.size for u in uniq], shards, slack, n)
     out.append(("all-reduce", copy_ct, c_u * e * 4))
     own = [a for a in table_axes.get(table, ()) if shape[a] > 1]
@@ -46,20 +61,21 @@ def sync_collectives(calls, table_axes, spec, shape, shards: int, slack: float, 
     n_copies = math.prod(shape[a] for a in copies)
     if own:
       owners = math.prod(shape[a] for a in own)
-      c_o = capacity(ids_SxN, v, owners, shards, slack)
+      c_o = capacity(uniq, n, v, owners, shards, slack)
       out.append(("all-to-all", own, owners * c_o * (e + 1) * 4))
-      # Distinct ids one owner receives from the `owners` shards it serves: unions of that many sample
-      # shards where there are enough, else each shard's share (an upper bound: unions overlap).
-      rows = v // owners
-      if owners <= len(uniq):
-        counts = [int(np.bincount(np.unique(np.concatenate(uniq[i:i + owners])) // rows, minlength=owners).max())
-                  for i in range(0, len(uniq) - owners + 1, owners)]
-      else:
-        counts = [int(np.unique(np.concatenate(uniq)).size / len(uniq))]
-      c_r = _worst(counts, shards // owners, slack, owners * c_o)
-      out.append(("all-gather", copies, n_copies * c_r * (e + 1) * 4))
+      key = ("received", table, owners)
+      if key not in memo:
+        memo[key] = _received(uniq, v // owners, owners)
+      c_r = _worst(memo[key], shards // owners, slack, owners * c_o)
+      if copies:
+        out.append(("all-gather", copies, n_copies * c_r * (e + 1) * 4))
+      received = owners * min(n, v)
+      held = min(received, v // owners)  # the owner's merged rows, gathered across the copies
+      merge[table] = (n_copies * held, v // owners, held) if copies else (received, v // owners, 0)
     elif copies and dense_sync(v, e, n, n_copies):
       out.append(("all-reduce", copies, v * e * 4))
+      merge[table] = (n, v, 0)
     else:
       out.append(("all-gather", copies, n_copies * c_u * (e + 1) * 4))
-  return out
+      merge[table] = (n_copies * min(n, v), v, min(n, v)) if copies else (n, v, 0)
+  return out, merge
