@@ -31,6 +31,9 @@ def main(argv=None) -> dict:
   p.add_argument("--efficiency", type=float, default=0.5, help="share of peak FLOP/s the compute reaches")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="config override, e.g. train.embedding_update=sparse")
+  p.add_argument("--compile-top", type=int, default=0, metavar="K",
+                 help="compile the first K layouts' train steps for the GPU target (needs the [aot] extra, minutes "
+                      "each) and rank by the compiled memory")
   p.add_argument("--max-tensor", type=int, default=8)
   p.add_argument("--max-context", type=int, default=8)
   args = p.parse_args(argv)
@@ -45,7 +48,7 @@ def main(argv=None) -> dict:
         apply_overrides(configs.get(args.config), args.set), args.devices, plan_lib.get_preset(args.hardware), baseline_paths=args.baseline_mesh,
         out_mesh=args.out_mesh, json_path=args.json, top=args.top, command=command, batch_size=args.batch_size,
         mean_history=args.mean_history, overlap=args.overlap, efficiency=args.efficiency,
-        max_tensor=args.max_tensor, max_context=args.max_context)
+        max_tensor=args.max_tensor, max_context=args.max_context, compile_top=args.compile_top)
   except (KeyError, ValueError) as e:
     p.error(str(e).strip('"'))
 

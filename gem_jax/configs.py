@@ -150,7 +150,7 @@ def large() -> Config:
 
 @register
 def xl() -> Config:
-  """Thousands of H200s: the GEM-scale target.
+  """Thousands of H200s, the GEM-scale target: 2,048 on meshes/plan_xl_2048.yaml (the planner's layout).
 
   params: 771B sparse, 4.06B dense; forward FLOPs/example at 256 history tokens: 4.51e+10
   """

@@ -82,3 +82,19 @@ def test_cpu_configs_run_a_real_train_step(name):
   assert np.isfinite(float(metrics["loss"])) and int(state.step) == 2
   after = jax.tree_util.tree_leaves(state.params)
   assert sum(not np.array_equal(a, b) for a, b in zip(before, after)) > len(before) // 2
+
+
+@pytest.mark.parametrize("name", ["base", "large", "xl"])
+def test_every_gpu_config_names_a_mesh_file_with_a_gpu_target(name):
+  """experiments/compile_for.py compiles each GPU config on the mesh file its docstring names (README, "Check
+  a GPU config without a GPU"): the file must exist, name a GPU target, and split the config's batch."""
+  import os
+
+  from gem_jax.parallel import mesh as mesh_lib
+  from gem_jax.parallel import target as target_lib
+  named = re.findall(r"meshes/[\w.]+\.yaml", configs.CONFIGS[name].__doc__)
+  assert named, f"config {name}: its docstring names no mesh file"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = mesh_lib.load(os.path.join(root, named[0]))
+  assert spec.target is not None and target_lib.get(spec.target).platform == "gpu"
+  mesh_lib.check_batch(spec, configs.get(name).data.pipeline.batch_size)

@@ -188,3 +188,25 @@ def test_simulate_cluster_on_a_cpu_mesh(tmp_path, capsys):
   tiny = apply_overrides(configs.get("tiny"), ["data.pipeline.batch_size=256"])
   assert saved["memory"]["total"] == sim_lib.simulate(tiny, mesh_lib.load(os.path.join(ROOT, "meshes", "cpu_8.yaml")))[
       "memory"]["total"]
+
+
+def test_compiled_memory_judges_the_top_layouts(small, small_plan):
+  """check_compiled gives the first K ranked layouts their compiled peak (a stand-in compiler here; the real
+  one compiles each train step for the preset's GPU target) and drops those that do not fit by it."""
+  cfg, _ = small
+  top = small_plan.ranked[:3]
+  hbm = small_plan.preset.hardware.hbm_bytes
+  seen = []
+
+  def fake_peak(spec, data):
+    seen.append((spec.name, data["target"], data["axes"]))
+    return 2 * hbm if len(seen) == 1 else 0.5 * hbm   # the fastest layout "does not fit" once compiled
+
+  checked = plan_lib.check_compiled(small_plan, cfg, 3, fake_peak)
+  assert [t for _, t, _ in seen] == ["h200"] * 3
+  assert [tuple(a.values()) for _, _, a in seen] == [s.layout.sizes for s in top]
+  assert checked.ranked[0].layout == top[1].layout and checked.ranked[1].layout == top[2].layout
+  assert checked.ranked[0].compiled_peak == 0.5 * hbm and checked.ranked[2].compiled_peak is None
+  assert checked.rejected[-1].layout == top[0].layout and not checked.rejected[-1].fits
+  assert checked.counts["compiled"] == 3 and len(checked.ranked) == len(small_plan.ranked) - 1
+  assert plan_lib.check_compiled(small_plan, cfg, 0, fake_peak) is small_plan

@@ -60,6 +60,7 @@ def row(s: Scored) -> dict:
   return {"axes": s.layout.axes_label, "intra_node": s.layout.intra_label, "table_rows": s.layout.rows_label,
           "step_ms": None if s.step_s is None else s.step_s * 1e3, "mfu": s.mfu,
           "memory_gb": s.memory_bytes / GB, "fits": s.fits,
+          "compiled_peak_gb": None if s.compiled_peak is None else s.compiled_peak / GB,
           "exposed_comm_ms": None if s.exposed_s is None else s.exposed_s * 1e3,
           "biggest_comm": None if big is None else {"axes": big[0], "ms": big[1] * 1e3, "link": big[2]},
           "sizes": dict(zip(MESH_AXES, s.layout.sizes)), "intra": dict(zip(MESH_AXES, s.layout.intra))}
@@ -243,17 +244,28 @@ def _progress_printer(every_s: float = 5.0):
 
 
 def plan_mesh(cfg, devices: int, preset, *, baseline_paths: list[str] | None = None, out_mesh: str | None = None,
-              json_path: str | None = None, top: int = 10, command: str = "", **options) -> dict:
+              json_path: str | None = None, top: int = 10, command: str = "", compile_top: int = 0,
+              **options) -> dict:
   """Plans `cfg` on `devices` of `preset` (plan_lib.get_preset), prints the search counts, the ranked table
   and the explanation, writes the best layout to out_mesh (loaded back to check it) and the JSON to
   json_path; returns the JSON. baseline_paths: hand-written mesh files to compare with (default: those of
-  the same device count and device). options: plan()'s keywords."""
+  the same device count and device). compile_top: compile the first K ranked layouts for the preset's GPU
+  target and rank by the compiled memory (plan_lib.check_compiled). options: plan()'s keywords."""
   t0 = time.perf_counter()
   paths = baseline_paths if baseline_paths is not None else matching_meshes(devices, preset.hardware.device)
   print(f"planning {cfg.name} on {devices} x {preset.hardware.device}: reading the model and sample batches ...",
         file=sys.stderr, flush=True)
   result = plan_lib.plan(cfg, devices, preset, baseline_meshes=[mesh_lib.load(x) for x in paths],
                          progress=_progress_printer(), **options)
+  if compile_top:
+    print(f"compiling the first {min(compile_top, len(result.ranked))} layouts' train steps for "
+          f"{preset.target} (deviceless) ...", file=sys.stderr, flush=True)
+    result = plan_lib.check_compiled(result, cfg, compile_top)
+    for s in result.ranked[:compile_top] + result.rejected:
+      if s.compiled_peak is not None:
+        print(f"compiled {s.layout.axes_label} (rows over {s.layout.rows_label}, inside a node {s.layout.intra_label}): "
+              f"peak {s.compiled_peak / GB:.1f} GB per device, simulated {s.memory_bytes / GB:.1f} GB "
+              f"({s.compiled_peak / s.memory_bytes:.2f}x); " + ("fits" if s.fits else "DOES NOT FIT"))
   c = result.counts
   print(f"{cfg.name} on {devices} x {preset.hardware.device} ({devices // preset.devices_per_node} nodes "
         f"of {preset.devices_per_node}), global batch {result.batch_size}: {c['axis_sizes']} axis sizes x table "

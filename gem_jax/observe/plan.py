@@ -40,6 +40,7 @@ This module must never compile or touch a device, and never rank a layout that d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Callable, Iterator, Sequence
@@ -216,6 +217,7 @@ class Scored:
   sim: dict
   time: dict | None
   name: str = ""
+  compiled_peak: float | None = None   # bytes per device of its compiled train step (check_compiled)
 
   @property
   def step_s(self) -> float | None:
@@ -234,8 +236,10 @@ class Scored:
 
   @property
   def fits(self) -> bool | None:
+    """By the compiled peak where the layout was compiled, else by the simulated memory."""
     hbm = self.mesh_spec.hardware.hbm_bytes
-    return None if hbm is None else self.memory_bytes <= hbm
+    peak = self.memory_bytes if self.compiled_peak is None else self.compiled_peak
+    return None if hbm is None else peak <= hbm
 
   @property
   def exposed_s(self) -> float | None:
@@ -402,3 +406,42 @@ def plan(cfg, devices: int, hardware: str | Preset = "h200", *, batch_size: int 
   rejected = [s for s in scored if not s.fits]
   return Plan(cfg.name, devices, preset, batch, ranked, rejected, baselines, baseline_errors, counts, tables, options,
               time.perf_counter() - t0)
+
+
+def check_compiled(p: Plan, cfg, top: int, compiled_peak: Callable[[MeshSpec, dict], float] | None = None) -> Plan:
+  """The plan with its first `top` ranked layouts compiled for their GPU target (deviceless:
+  gem_jax/observe/gpu_compile.py) and judged by the compiled memory: each gets its compiled peak, and one
+  that does not fit by it leaves the ranking for `rejected` (the rest keep their simulated order). Only
+  the planner's preset names the target: a preset without one cannot be compiled for.
+
+  compiled_peak(mesh_spec, mesh file data) -> bytes: default compiles cfg's train step on that mesh file."""
+  if top <= 0 or not p.ranked:
+    return p
+  if p.preset.target is None:
+    raise ValueError(f"hardware preset {p.preset.name!r} names no compile target; cannot compile its layouts")
+  compiled_peak = compiled_peak or functools.partial(_compiled_peak, cfg)
+  checked = []
+  for rank, s in enumerate(p.ranked[:top]):
+    data = s.layout.mesh_data(f"plan_rank{rank + 1}", "", p.preset)
+    checked.append(dataclasses.replace(s, compiled_peak=float(compiled_peak(s.mesh_spec, data))))
+  ranked = [s for s in checked if s.fits] + p.ranked[top:]
+  rejected = p.rejected + [s for s in checked if not s.fits]
+  counts = dict(p.counts, compiled=len(checked), fitting=len(ranked))
+  return dataclasses.replace(p, ranked=ranked, rejected=rejected, counts=counts)
+
+
+def _compiled_peak(cfg, mesh_spec: MeshSpec, data: dict) -> float:
+  import tempfile
+
+  import yaml
+
+  from gem_jax.observe import gpu_compile
+  with tempfile.TemporaryDirectory() as folder:
+    path = f"{folder}/{data['name']}.yaml"
+    with open(path, "w") as f:
+      yaml.safe_dump(data, f)
+    report = gpu_compile.compile_for(dataclasses.replace(cfg, mesh=path), programs=("train",), simulate=False)
+  train = report["programs"]["train"]
+  if not train["compiled"]:
+    raise RuntimeError(f"check_compiled: {mesh_spec.name}: the train step did not compile: {train['error']}")
+  return train["memory"]["peak"]
