@@ -36,12 +36,15 @@ def main(argv=None) -> dict:
   from gem_jax.config import apply_overrides
   from gem_jax.observe import gpu_compile
 
-  cfg = apply_overrides(dataclasses.replace(configs.get(args.config), mesh=args.mesh), args.set)
   out = args.out or os.path.join("runs", f"compile_{args.config}_{os.path.splitext(os.path.basename(args.mesh))[0]}")
-  os.makedirs(out, exist_ok=True)
-  report = gpu_compile.compile_for(cfg, target=args.target, programs=tuple(args.programs.split(",")),
-                                   simulate=not args.no_simulate,
-                                   keep_dump=os.path.join(out, "xla_dump") if args.keep_dump else None)
+  try:  # bad input (config, mesh file, target, no CUDA plugin): a usage error that names it, not a traceback
+    cfg = apply_overrides(dataclasses.replace(configs.get(args.config), mesh=args.mesh), args.set)
+    os.makedirs(out, exist_ok=True)
+    report = gpu_compile.compile_for(cfg, target=args.target, programs=tuple(args.programs.split(",")),
+                                     simulate=not args.no_simulate,
+                                     keep_dump=os.path.join(out, "xla_dump") if args.keep_dump else None)
+  except (KeyError, ValueError) as e:
+    p.error(str(e).strip('"'))
   with open(os.path.join(out, "compile.json"), "w") as f:
     json.dump(report, f, indent=1, default=str)
   print(gpu_compile.table(report))

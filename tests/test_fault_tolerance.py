@@ -156,6 +156,19 @@ def test_stop_policy_and_too_many_restores_end_the_run(tmp_path, monkeypatch):
 # ---- kills ---------------------------------------------------------------------------------------------
 
 
+def test_the_drill_comparison_is_exact_but_nan_aware():
+  """A NaN metric (no conversions in the eval set) equals itself in the same place; any other difference,
+  down to a float's last bit or an int against a float, is a difference."""
+  nan = float("nan")
+  one = {"click": {"baseline_ne": 1.007438419939963, "eval_auc": 0.7}, "conversion": {"eval_auc": nan}}
+  assert fault_drill.identical(one, json.loads(json.dumps(one)))
+  bumped = json.loads(json.dumps(one))
+  bumped["click"]["baseline_ne"] = float(np.nextafter(1.007438419939963, 2.0))
+  assert not fault_drill.identical(one, bumped)
+  assert not fault_drill.identical({"x": nan}, {"x": 1.0}) and not fault_drill.identical({"x": 1}, {"x": 1.0})
+  assert not fault_drill.identical({"x": [1.0, nan]}, {"x": [1.0]}) and not fault_drill.identical({"x": 1}, {"y": 1})
+
+
 def test_kill_points_cover_each_kind_in_run_order():
   plan = fault_drill.plan_kills(5, 30, 4, seed=0)
   assert len(set(plan)) == 5 and {k for k, _ in plan} == set(fault_drill.KINDS)

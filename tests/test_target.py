@@ -153,3 +153,14 @@ def test_fp8_backward_gemms_keep_the_forward_s_target():
   # The kernel, and no dot of XLA's own: an emulated (or forgotten) GEMM would be a dot_general.
   assert set(re.findall(r'name = "([^"]+)"', text)) == {"fp8_mx_gemm"}
   assert "stablehlo.dot_general" not in text and "stablehlo.dot " not in text
+
+
+def test_compiling_for_a_mesh_file_without_a_target_says_what_to_add():
+  from gem_jax import configs
+  from gem_jax.config import apply_overrides
+  from gem_jax.observe import gpu_compile
+  cfg = apply_overrides(configs.get("tiny"), [f"mesh={MESHES / 'cpu_8.yaml'}"])
+  with pytest.raises(ValueError, match="names no target; add `target: h200`"):
+    gpu_compile.compile_for(cfg)
+  with pytest.raises(ValueError, match="names no mesh file"):
+    gpu_compile.compile_for(configs.get("tiny"))

@@ -138,7 +138,8 @@ class AdsMultiTask(Task):
                                                 mask_K[:, i])
       optimal = planted.get("ne", float("nan"))
       tasks[task] = {"eval_ne": m["ne"], "eval_auc": m["auc"], "eval_calibration": m["calibration"],
-                     "eval_base_rate": m["base_rate"], "eval_count": m["count"], "baseline_ne": baseline,
+                     "eval_base_rate": m["base_rate"], "eval_count": m["count"],
+                     "train_base_rate": float(base_rates[i]), "baseline_ne": baseline,
                      "optimal_ne": optimal, "optimal_auc": planted.get("auc", float("nan")),
                      "gap_closed": (baseline - m["ne"]) / (baseline - optimal) if baseline > optimal else None}
     return {"tasks": tasks}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -157,6 +158,21 @@ def plan_kills(kills: int, steps: int, every: int, seed: int) -> list[tuple[str,
   return sorted(chosen, key=lambda p: (p[1], KINDS.index(p[0])))
 
 
+def identical(a, b) -> bool:
+  """Exact equality of two JSON values, where a NaN equals a NaN in the same place (a metric with no
+  examples, e.g. conversion AUC on an eval set without a conversion) and every other float must match to
+  the bit; `==` on dicts holding NaN is never true."""
+  if isinstance(a, dict) or isinstance(b, dict):
+    return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(
+        identical(a[k], b[k]) for k in a)
+  if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+    return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
+            and all(identical(x, y) for x, y in zip(a, b)))
+  if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+    return True
+  return type(a) is type(b) and a == b
+
+
 def _losses(run_dir: str) -> dict[int, float]:
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
@@ -193,7 +209,7 @@ def _compare(args, ref_dir: str, drill_dir: str) -> dict:
     with open(os.path.join(d, "summary.json")) as f:
       evals.append(json.load(f)["tasks"])
   return {"losses_identical": not loss_diffs and len(ref_losses) == args.steps,
-          "state_identical": not leaf_diffs, "eval_identical": evals[0] == evals[1],
+          "state_identical": not leaf_diffs, "eval_identical": identical(evals[0], evals[1]),
           "steps_compared": len(ref_losses), "leaves_compared": len(jax.tree_util.tree_leaves(states[0])),
           "loss_differences_at": loss_diffs[:20], "state_differences_in": leaf_diffs[:20],
           "final_loss": ref_losses.get(args.steps), "final_eval": evals[0]}
