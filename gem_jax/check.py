@@ -107,7 +107,7 @@ def check_model(model: ModelConfig) -> None:
 
 def check_rules(spec: MeshSpec) -> None:
   """Only the tensor-parallel logical axes may map to `tensor` alone: the step keeps such a dim as a slice
-  and the model computes on it as one (spmd.plan raises the same once the model is built)."""
+  and the model computes on it as one (placement.of raises the same once the model is built)."""
   if spec.shape[TP_AXIS] == 1:
     return
   for logical, target in spec.rules:

@@ -92,7 +92,7 @@ def small() -> Config:
 
 
 # GPU configs size the id tables (users, ads, advertisers) to a multiple of this many rows, so that row
-# sharding over any power-of-two number of shards up to 8192 divides (spmd.plan keeps a table whose rows
+# sharding over any power-of-two number of shards up to 8192 divides (placement.of keeps a table whose rows
 # do not divide whole, i.e. replicated: 500M user rows = 2^8 x 5^9 would split at most 256 ways and could
 # not fit at 1024 GPUs). Categories are a count of interest topics, not ids, and stay as given (the
 # table is at most 51 MB, replicated when it does not divide).

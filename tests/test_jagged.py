@@ -51,6 +51,28 @@ def test_all_rows_empty_and_zero_capacity():
   np.testing.assert_array_equal(jagged.segment_sum(x.values, x), np.zeros((3, 2)))
 
 
+def test_from_dense_keeps_at_most_a_row_of_tokens_when_a_length_says_more():
+  """A length past the dense row's N tokens packs the row's N tokens, and the next row starts after them (an
+  unclamped length would read past the row and shift every later row)."""
+  dense = jnp.arange(2 * 3 * 1, dtype=jnp.float32).reshape(2, 3, 1) + 1.0
+  x = Jagged.from_dense(dense, jnp.array([5, 2]), capacity=8)
+  np.testing.assert_array_equal(x.offsets, [0, 3, 5])
+  assert [r.reshape(-1).tolist() for r in x.rows()] == [[1.0, 2.0, 3.0], [4.0, 5.0]]
+
+
+def test_split_rows_cuts_a_row_shorter_than_its_first_length_after_its_last_token():
+  """first_lengths longer than a row: the first part takes the whole row and the second part's row is empty,
+  not the next row's tokens."""
+  x = Jagged.from_rows(_rows([2, 3]), capacity=6)
+  a, b = jagged.split_rows(x, jnp.array([4, 1]), 6, 6)
+  np.testing.assert_array_equal(a.lengths(), [2, 1])
+  np.testing.assert_array_equal(b.lengths(), [0, 2])
+  whole = x.rows()
+  np.testing.assert_array_equal(a.rows()[0], whole[0])
+  np.testing.assert_array_equal(a.rows()[1], whole[1][:1])
+  np.testing.assert_array_equal(b.rows()[1], whole[1][1:])
+
+
 def test_concat_then_split_restores_both_parts():
   a = Jagged.from_rows(_rows([1, 0, 2], seed=1), capacity=5)
   b = Jagged.from_rows(_rows([3, 1, 0], seed=2), capacity=6)

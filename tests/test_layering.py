@@ -1,10 +1,11 @@
 """Import arrows point one way: experiments -> gem_jax -> pallas_kernels, with no cycle between the packages
 of gem_jax (a package is the first name under gem_jax/: model, data, train, ..., or a top-level module such
-as config or runtime), and pallas_kernels imports only jax, numpy and triton (torch only for Triton's CPU
-interpreter). Tests import library functions, never a script by path, and never another test module.
+as config or runtime), no cycle between the modules of one package (run/step.py importing run/table_update.py
+and back, even inside a function), and pallas_kernels imports only jax, numpy and triton (torch only for
+Triton's CPU interpreter). Tests import library functions, never a script by path, and never another test module.
 
 The graph is read from every import statement (ast), function-level imports included: an import that is
-deferred to call time is still an arrow. `package_cycles` and `violations` are plain functions so that
+deferred to call time is still an arrow. `package_cycles`, `module_graph` and `violations` are plain functions so that
 tests/test_layering.py::test_a_back_import_is_caught can show them fire on an added back-import.
 """
 
@@ -58,6 +59,32 @@ def package_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
       dst = _unit(name)
       if dst in units and dst != src:
         graph[src].add(dst)
+  return graph
+
+
+def _module_names(root: pathlib.Path) -> dict[str, pathlib.Path]:
+  """Every module of gem_jax by dotted name (a package by its folder's name) -> its file."""
+  out = {}
+  for path in (root / "gem_jax").rglob("*.py"):
+    parts = path.relative_to(root).with_suffix("").parts
+    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return out
+
+
+def module_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
+  """gem_jax module -> the modules of its own package it imports (`from pkg import mod` and `import pkg.mod`
+  alike; the package's __init__ is not a module of it)."""
+  modules = _module_names(root)
+  graph = {m: set() for m in modules}
+  for module, path in modules.items():
+    package = module.rsplit(".", 1)[0]
+    for name in _imports(path, root):
+      # `from gem_jax.run import step` records gem_jax.run and gem_jax.run.step; `from gem_jax.run.step import
+      # TrainState` records gem_jax.run.step.TrainState, whose module is its parent.
+      for candidate in (name, name.rsplit(".", 1)[0]):
+        if candidate in modules and candidate not in (module, package) and candidate.rsplit(".", 1)[0] == package:
+          graph[module].add(candidate)
+          break
   return graph
 
 
@@ -120,6 +147,10 @@ def test_no_cycle_between_gem_jax_packages():
   assert package_cycles(package_graph()) == []
 
 
+def test_no_cycle_between_modules_of_one_package():
+  assert package_cycles(module_graph()) == []
+
+
 def test_arrows_point_one_way():
   assert violations() == []
 
@@ -136,4 +167,9 @@ def test_a_back_import_is_caught(tmp_path):
     f.write("\nimport gem_jax.ops\n")
   cycles = package_cycles(package_graph(tmp_path))
   assert any({"model", "train"} <= set(c) for c in cycles), cycles
+  # Inside one package: the table update reaching back into the step that calls it, deferred to call time.
+  with open(tmp_path / "gem_jax" / "run" / "table_update.py", "a") as f:
+    f.write("\n\ndef _late():\n  from gem_jax.run import step  # a back-import inside run\n  return step\n")
+  cycles = package_cycles(module_graph(tmp_path))
+  assert any({"gem_jax.run.step", "gem_jax.run.table_update"} <= set(c) for c in cycles), cycles
   assert "pallas_kernels/conformance.py imports gem_jax.ops" in violations(tmp_path)

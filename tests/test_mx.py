@@ -163,6 +163,25 @@ def test_quantize_dequantize_bit_exact_against_scalar_reference(fmt, mode, n):
   assert not bad, bad[:10]
 
 
+@pytest.mark.parametrize("elem,max_normal", [(jnp.float8_e4m3fn, 448.0), (jnp.float8_e5m2, 57344.0)])
+@pytest.mark.parametrize("k", [-20, -3, 0, 5, 30])
+def test_round_up_scale_of_an_amax_of_exactly_max_normal_times_a_power_of_two(elem, max_normal, k):
+  """rceil's boundary: amax = max_normal x 2^k fits 2^k exactly (the smallest scale with amax <= max_normal x
+  scale), so the scale is 2^k, not 2^(k+1), and the block's largest element is max_normal itself; one ulp
+  more needs the next scale."""
+  for amax, want_exp, want_elem in ((max_normal * 2.0 ** k, k, max_normal),
+                                    (float(np.nextafter(np.float32(max_normal * 2.0 ** k), np.float32(np.inf))),
+                                     k + 1, None)):
+    x = np.zeros(32, np.float32)
+    x[3], x[7] = amax, -amax / 4
+    elems, scales = mx.quantize(x, elem_dtype=elem, scale_mode="rceil")
+    exp = int(np.asarray(jax.lax.bitcast_convert_type(scales, jnp.uint8))[0]) - 127
+    assert exp == want_exp, (amax, exp)
+    if want_elem is not None:
+      values = np.asarray(elems.astype(jnp.float32))
+      assert values[3] == want_elem and values[7] == -want_elem / 4
+
+
 def test_edge_cases_one_by_one():
   e4 = jnp.float8_e4m3fn
   def q(vals, mode="floor"):

@@ -291,6 +291,23 @@ def test_two_readers_read_every_example_of_an_epoch_exactly_once(exported, windo
     assert opened[0] & opened[1] == {3} and opened[0] | opened[1] == set(range(7)), opened
 
 
+def test_readers_whose_count_does_not_divide_the_rows_still_read_every_row_once(exported, tmp_path):
+  """637 rows (the last file three rows short) over 4 readers: the ranges are 159 or 160 rows, and together
+  the readers' pieces of one epoch hold every row exactly once, the last row included."""
+  import shutil
+  import pyarrow.parquet as pq
+  short = tmp_path / "short"
+  shutil.copytree(exported, short)
+  last = sorted((short / "train").glob("*.parquet"))[-1]
+  table = pq.read_table(last)
+  pq.write_table(table.slice(0, table.num_rows - 3), last, row_group_size=100)
+  everything = _keys(_source(short).block(0, 637))
+  assert len(everything) == len(set(everything)) == 637
+  src = _source(short, readers=4)
+  seen = [k for r in range(4) for j in range(src.steps_per_epoch()) for k in _keys(src.reader_block(r, j))]
+  assert sorted(seen) == sorted(everything)
+
+
 def test_a_reader_iterator_yields_parts_that_resume_where_they_stopped(exported):
   src = _source(exported, readers=2)
   it = src.train_iterator(readers=(1,))
@@ -306,5 +323,7 @@ def test_a_reader_iterator_yields_parts_that_resume_where_they_stopped(exported)
   for x, y in zip(jax.tree_util.tree_leaves(next(again).batches), jax.tree_util.tree_leaves(next(it).batches),
                   strict=True):
     assert np.array_equal(x, y, equal_nan=True)
+  # The checkpoint written after the resume names the position the unbroken iterator is at.
+  assert again.get_state() == it.get_state() and again.get_state()["next_block"] == 6
   with pytest.raises(ValueError, match="does not divide data.pipeline.batch_size"):
     _source(exported, readers=3)

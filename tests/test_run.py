@@ -295,3 +295,12 @@ def test_the_one_device_step_runs_no_collective():
   found = sorted({op for op in ("all_reduce", "all_gather", "all_to_all", "reduce_scatter", "collective_permute")
                   if f"stablehlo.{op}" in text})
   assert found == [], found
+
+
+def test_a_batch_not_split_into_the_runs_data_shards_is_refused_when_the_step_is_traced():
+  run = build(tiny())
+  two_shards = jax.tree_util.tree_map(jnp.asarray, run.source.shard(run.source.first_batch(), 2))
+  with pytest.raises(AssertionError, match="assert_tree_shape_prefix"):
+    run.train_step(run.state, two_shards)
+  with pytest.raises(AssertionError, match="assert_tree_shape_prefix"):
+    run.eval_step(run.state.params, two_shards)

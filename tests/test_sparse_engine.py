@@ -129,8 +129,8 @@ def test_on_one_device_a_table_with_no_more_rows_than_ids_skips_the_sort():
   batch = run.device_batch(next(run.source.train_iterator()))
   local = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
   ids: dict[str, int] = {}
-  for table, n in table_update.lookup_calls(run.graphdef, run.rest, run.task, run.state.params, local):
-    ids[table] = ids.get(table, 0) + n
+  for call in run.lookups.calls(local):
+    ids[call.table] = ids.get(call.table, 0) + call.ids
   rows = {t.name: t.vocab_size for t in run.cfg.data.spec.tables}
   dense = {t for t in ids if table_update.dense_rows(rows[t], ids[t])}
   assert dense and set(ids) - dense, (rows, ids)
@@ -141,7 +141,7 @@ def test_on_one_device_a_table_with_no_more_rows_than_ids_skips_the_sort():
 
 @pytest.mark.parametrize("name", table_optim.RULES)
 def test_a_row_rule_on_touched_rows_equals_its_dense_form(name):
-  """_apply_rows on the touched rows gives bit for bit what the rule's optax form gives on the V x E
+  """apply_rows on the touched rows gives bit for bit what the rule's optax form gives on the V x E
   gradient, for several steps; rows with a zero gradient keep their values and slots exactly."""
   cfg = TrainConfig(embedding_optimizer=name, embedding_learning_rate=0.1, adagrad_eps=1e-6)
   rule = table_optim.make_rule(cfg)
@@ -159,7 +159,7 @@ def test_a_row_rule_on_touched_rows_equals_its_dense_form(name):
     uniq = jnp.asarray(np.concatenate([touched, np.full(12 - touched.size, 12, np.int32)]))
     g_rows = jnp.asarray(np.concatenate([g[touched], np.zeros((12 - touched.size, 4), np.float32)]))
     write = uniq < 12
-    block, slots = table_update._apply_rows(rule, block, slots, uniq, g_rows, write, count)
+    block, slots = table_update.apply_rows(rule, block, slots, uniq, g_rows, write, count)
     count = count + 1
     assert np.asarray(block).tobytes() == np.asarray(dense_params["t"]).tobytes(), (name, step)
     for s, d in zip(slots, state.slots):
@@ -180,6 +180,29 @@ def test_rowwise_adam_matches_a_hand_computation():
     v = b2 * v + (1 - b2) * np.mean(g.astype(np.float64) ** 2, axis=1)
     want = -lr * (m / (1 - b1 ** (t + 1))) / (np.sqrt(v / (1 - b2 ** (t + 1)))[:, None] + eps)
     np.testing.assert_allclose(np.asarray(u), want, rtol=1e-5)
+
+
+def test_sgd_moves_a_row_by_the_learning_rate_times_its_gradient():
+  lr = 0.25
+  g = jnp.asarray([[0.5, -1.0], [2.0, 0.0]], jnp.float32)
+  u, slots = table_optim.SGD(lr).update_rows(g, (), jnp.int32(0))
+  assert slots == ()
+  np.testing.assert_array_equal(np.asarray(u), -lr * np.asarray(g))
+
+
+@pytest.mark.parametrize("parts", [None, (2, 3)])
+def test_merging_distinct_ids_keeps_every_row_and_duplicates_sum(parts):
+  """Five ids, all distinct (a table much larger than the batch): five rows come out, each with its own
+  gradient; a repeated id adds its rows; invalid ids (-1, >= V) contribute nothing."""
+  g = jnp.asarray(np.arange(10, dtype=np.float32).reshape(5, 2) + 1.0)
+  uniq, summed = table_update.merge_rows(jnp.asarray([40, 3, 17, 8, 25]), g, 100, parts)
+  order = np.argsort([40, 3, 17, 8, 25])
+  np.testing.assert_array_equal(np.asarray(uniq)[:5], np.sort([40, 3, 17, 8, 25]))
+  np.testing.assert_array_equal(np.asarray(summed)[:5], np.asarray(g)[order])
+  uniq, summed = table_update.merge_rows(jnp.asarray([7, -1, 7, 100, 2]), g, 100, parts)
+  assert np.asarray(uniq)[:2].tolist() == [2, 7] and (np.asarray(uniq)[2:] == 100).all()
+  np.testing.assert_array_equal(np.asarray(summed)[:2], [np.asarray(g)[4], np.asarray(g)[0] + np.asarray(g)[2]])
+  assert not np.asarray(summed)[2:].any()
 
 
 def test_row_gradients_reach_their_owner_through_every_round():
@@ -222,3 +245,27 @@ def test_the_embedding_benchmark_counts_distinct_rows_and_its_ids_are_skewed():
   r = embeddings.update_rows_per_s(rows=10_000, dim=8, ids=1024, a=1.0, reps=2)
   assert r["unique_rows"] == np.unique(embeddings.zipf_ids(np.random.default_rng(0), 1024, 10_000, 1.0)).size
   assert r["median_ms"] > 0 and r["unique_rows_per_s"] == pytest.approx(r["unique_rows"] / (r["median_ms"] / 1e3))
+
+
+@pytest.mark.slow
+def test_a_20_step_run_traces_the_model_count_only_once_per_batch_shape(tmp_path, monkeypatch):
+  """A 20-step run on cpu_8 through the trainer: the capacities at build, the sparse engine's lookup calls in
+  every step trace, the meter's FLOP model and its second lowering of the step, the evaluation. Every
+  count-only trace of the task (nothing runs: lookups, attention and truncations recorded) is of a batch
+  shape not traced before."""
+  from gem_jax import runtime
+  from gem_jax.run import tasks
+  from gem_jax.train.jobs import train_config
+  seen = []
+  original = tasks.AdsMultiTask.sums
+
+  def sums(self, model, batch, rng):
+    if runtime.current().count_only:
+      seen.append(tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree_util.tree_leaves(batch)))
+    return original(self, model, batch, rng)
+
+  monkeypatch.setattr(tasks.AdsMultiTask, "sums", sums)
+  train_config(tiny("mesh=meshes/cpu_8.yaml", **{"train.steps": 20, "train.log_every": 5, "train.eval_every": 10,
+                                                 "train.eval_examples": 128, "train.checkpoint_every": 100}),
+               str(tmp_path / "run"), progress=False)
+  assert seen and len(seen) == len(set(seen)), [s[0] for s in seen]

@@ -10,6 +10,7 @@ in test_mesh_sweep.py.
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -17,7 +18,7 @@ from flax import nnx
 
 from gem_jax.observe import hlo
 from gem_jax.parallel import mesh as mesh_lib
-from gem_jax.parallel import placement as spmd
+from gem_jax.parallel import placement
 from gem_jax.run.build import build
 from tests.run_helpers import tiny
 
@@ -75,6 +76,27 @@ def test_mesh_step_skips_a_non_finite_batch(setup):
   assert int(state.step) == 1
 
 
+def test_the_sparse_engine_on_a_mesh_skips_a_non_finite_batch():
+  """The same guard with the sparse engine's table update (the default) on cpu_8: rows sent to their owners and
+  merged across copies, and still no row, slot, dense parameter or Adam moment moves."""
+  cfg = tiny("data.pipeline.batch_size=64", "mesh=meshes/cpu_8.yaml")
+  assert cfg.train.embedding_update == "sparse"
+  run = build(cfg)
+  batch = run.source.sample(64, index=0)
+  dense = np.array(batch.dense_BxG)
+  dense[9, 1] = np.inf
+  poisoned = run.device_batch(dataclasses.replace(batch, dense_BxG=dense))
+  before = jax.device_get(jax.tree_util.tree_leaves((run.state.params, run.state.opt_state)))
+  state, m = run.train_step(jax.tree_util.tree_map(jnp.copy, run.state), poisoned)
+  assert int(m["nonfinite"]) == 1
+  after = jax.device_get(jax.tree_util.tree_leaves((state.params, state.opt_state)))
+  assert all(np.array_equal(a, b) for a, b in zip(before, after))
+  assert int(state.step) == 1
+  state, m = run.train_step(state, run.device_batch(batch))   # the next batch trains
+  assert int(m["nonfinite"]) == 0
+  assert not all(np.array_equal(a, b) for a, b in zip(before, jax.device_get(jax.tree_util.tree_leaves(state.params))))
+
+
 def test_placement(setup):
   run = setup["run"]
   assert run.plan.table_axes["ad_id"] == ("sparse",) and run.plan.table_axes["user_id"] == ("sparse",)
@@ -100,7 +122,7 @@ def test_mesh_file_rules_override_the_placement(setup):
     data = yaml.safe_load(f)
   data["rules"] = {"table_rows": ["fsdp", "sparse"]}
   mesh_spec = mesh_lib.parse(data, "cpu_8 + rules")
-  p = spmd.plan(setup["params_host"], mesh_lib.build_mesh(mesh_spec), mesh_spec)
+  p = placement.of(setup["params_host"], mesh_lib.build_mesh(mesh_spec), mesh_spec)
   assert p.table_axes["ad_id"] == ("fsdp", "sparse")
   table = setup["params_host"]["embeddings"]["tables"]["ad_id"]
   assert p.tree_specs({"t": table})["t"] == jax.sharding.PartitionSpec(("fsdp", "sparse"), None)
@@ -128,7 +150,7 @@ def test_parameter_traffic_is_the_hsdp_volume(setup):
   skip = ("embedding_lookup", "tensor_parallel")
   params = [c for c in colls if not any(k in c.op_name for k in skip) and c.operand_bytes > 64]
   measured = sum(c.moved_bytes * c.count for c in params)
-  analytic = spmd.analytic_comm(setup["run"].plan, setup["params_host"])
+  analytic = placement.analytic_comm(setup["run"].plan, setup["params_host"])
   expected = analytic["dense_total"] + analytic["table_grad_sync"]
   assert 0.9 <= measured / expected <= 1.1, (measured, analytic)
   by_kind = hlo.summarize(params)["by_kind"]
@@ -171,7 +193,7 @@ def test_rules_may_not_put_other_axes_on_tensor(setup):
   data["rules"] = {"embed": "tensor"}
   mesh_spec = mesh_lib.parse(data, "cpu_8 + rules")
   with pytest.raises(mesh_lib.MeshFileError, match="logical axis 'embed'.*only \\('mlp', 'heads'\\)"):
-    spmd.plan(setup["params_host"], mesh_lib.build_mesh(mesh_spec), mesh_spec)
+    placement.of(setup["params_host"], mesh_lib.build_mesh(mesh_spec), mesh_spec)
 
 
 def test_wrong_device_count_names_the_axes():

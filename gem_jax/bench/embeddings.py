@@ -98,10 +98,10 @@ def update_rows_per_s(rows: int, dim: int, ids: int, a: float, reps: int, seed: 
   acc = jnp.zeros((rows,), jnp.float32)
 
   def step(table, acc, ids_N, cot_NxE):
-    uniq_U, g_UxE = table_update._merge_rows(ids_N, cot_NxE, rows)
+    uniq_U, g_UxE = table_update.merge_rows(ids_N, cot_NxE, rows)
     looked_up = table[jnp.where(uniq_U < rows, uniq_U, 0)]  # the forward gather of the distinct rows
     touched = (uniq_U < rows) & jnp.any(g_UxE != 0, axis=1)
-    table, (acc,) = table_update._apply_rows(rule, table, (acc,), uniq_U, g_UxE, touched, 0)
+    table, (acc,) = table_update.apply_rows(rule, table, (acc,), uniq_U, g_UxE, touched, 0)
     return table, acc, jnp.sum(looked_up)  # returned, so the gather is not dead code
 
   fn = jax.jit(step, donate_argnums=(0, 1))

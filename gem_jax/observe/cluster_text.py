@@ -119,7 +119,7 @@ def explain(p: Plan) -> list[str]:
             if math.gcd(rows, p.devices) < p.devices and w >= 0.01 * total}  # the tables that weigh
   if capped:
     lines.append("Row sharding is capped by divisibility (a dim that does not divide over its axes stays whole, "
-                 "spmd.plan): " + ", ".join(f"{name} ({p.tables[name][0]:,} rows) over at most {n} of the "
+                 "placement.of): " + ", ".join(f"{name} ({p.tables[name][0]:,} rows) over at most {n} of the "
                                             f"{p.devices} devices" for name, n in capped.items())
                  + "; no layout can give every device its own rows of those.")
   base = p.best_baseline()

@@ -31,7 +31,7 @@ import numpy as np
 from gem_jax.config import apply_overrides
 from gem_jax.observe import embedding_update, hlo
 from gem_jax.parallel import mesh as mesh_lib
-from gem_jax.parallel import placement as spmd
+from gem_jax.parallel import placement
 from gem_jax.parallel import sparse
 from gem_jax.parallel.rules import DATA_AXES
 from gem_jax.run import table_update
@@ -90,7 +90,7 @@ def sweep_one(path: str, cfg, batches, *, capacity_slack: float = 1.05, capacity
   ideal = float(np.mean([sum(sparse.ideal_bytes(s.get(f"emb/{c}/remote_unique", 0.0), e) for c, e in calls.items())
                          for s in stats])) if calls else 0.0
   fwd_bytes = moved(fwd) + sum(fallback_fwd.values())
-  analytic = spmd.analytic_comm(run.plan, params_host)
+  analytic = placement.analytic_comm(run.plan, params_host)
   measured_params = moved(params_like)
   sparse_engine = cfg.train.embedding_update == "sparse"
   engine = (embedding_update.account(colls, stats, table_update.row_bytes(params_host, run.optimizer,

@@ -48,7 +48,7 @@ from typing import Callable, Iterator, Sequence
 from gem_jax.model import embeddings as embeddings_lib
 from gem_jax.observe import simulate as sim_lib
 from gem_jax.parallel import mesh as mesh_lib
-from gem_jax.parallel import placement as spmd
+from gem_jax.parallel import placement
 from gem_jax.parallel.mesh import Hardware, MeshSpec
 from gem_jax.parallel.rules import DATA_AXES, MESH_AXES
 
@@ -145,7 +145,7 @@ def factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
 def tensor_widths(params) -> tuple[int, ...]:
   """The widths a tensor axis must divide for every tensor-parallel layer to be split: the sizes of every
   tensor-parallel dim of the model's parameters (placement.tensor_parallel_parts)."""
-  return tuple(sorted({part.size for part in spmd.tensor_parallel_parts(params)}))
+  return tuple(sorted({part.size for part in placement.tensor_parallel_parts(params)}))
 
 
 def axis_sizes(params, devices: int, batch: int, max_tensor: int = MAX_TENSOR,
@@ -285,21 +285,21 @@ def _sort_key(s: Scored):
 
 
 def tables_of(shapes: sim_lib.ModelShapes) -> dict[str, tuple[int, float]]:
-  """name -> (rows, bytes) of the tables large enough to be row sharded (spmd.plan replicates the rest)."""
+  """name -> (rows, bytes) of the tables large enough to be row sharded (placement.of replicates the rest)."""
   import jax
   out = {}
-  for path, var in jax.tree_util.tree_leaves_with_path(shapes.params, is_leaf=spmd._is_var):
+  for path, var in jax.tree_util.tree_leaves_with_path(shapes.params, is_leaf=placement.is_variable):
     if isinstance(var, embeddings_lib.Table):
       w = sim_lib._nbytes(var.get_value())
-      if w > spmd.REPLICATE_TABLE_BYTES:
-        out[str(spmd._path_names(path)[-1])] = (int(var.get_value().shape[0]), w)
+      if w > placement.REPLICATE_TABLE_BYTES:
+        out[str(placement.path_names(path)[-1])] = (int(var.get_value().shape[0]), w)
   return out
 
 
 def table_memory_bound(tables: dict[str, tuple[int, float]], shards: int, sparse_engine: bool = False) -> float:
   """A lower bound of the memory per device: each table's row block, and its gradient unless the sparse
   engine updates it (no table-sized gradient exists then); a table whose rows do not divide over `shards`
-  stays whole, as spmd.plan keeps it."""
+  stays whole, as placement.of keeps it."""
   copies = 1 if sparse_engine else 2
   return sum(copies * w / (shards if rows % shards == 0 else 1) for rows, w in tables.values())
 

@@ -73,7 +73,7 @@ import numpy as np
 from flax import nnx
 
 from gem_jax.observe import flops as flops_lib
-from gem_jax.parallel import lookups, placement as spmd, sparse
+from gem_jax.parallel import lookups, placement, sparse
 from gem_jax.parallel.mesh import MeshSpec, check_batch
 from gem_jax.parallel.rules import MESH_AXES
 
@@ -152,10 +152,10 @@ def _nbytes(x) -> float:
 
 def _shard_bytes(tree, specs, shape) -> float:
   total = 0.0
-  leaves = jax.tree_util.tree_leaves(tree, is_leaf=spmd._is_var)
+  leaves = jax.tree_util.tree_leaves(tree, is_leaf=placement.is_variable)
   spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   for leaf, spec in zip(leaves, spec_leaves):
-    for arr in jax.tree_util.tree_leaves(leaf.get_value() if spmd._is_var(leaf) else leaf):
+    for arr in jax.tree_util.tree_leaves(leaf.get_value() if placement.is_variable(leaf) else leaf):
       own = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
       total += _nbytes(arr) / math.prod(shape[a] for a in own)
   return total
@@ -207,7 +207,7 @@ class ModelShapes:
     if rows not in self._lookups:
       source = self.run.source
       sample = source.shard(source.sample(rows * _LOOKUP_SAMPLE_SHARDS, index=0), _LOOKUP_SAMPLE_SHARDS)
-      self._lookups[rows] = lookups.lookup_ids(self.run.graphdef, self.run.rest, self.params, self.run.task, sample)
+      self._lookups[rows] = self.run.lookups.ids(sample)
     return self._lookups[rows]
 
   def uniques(self, rows: int) -> tuple[list, dict]:
@@ -267,30 +267,30 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
     shapes = model_shapes(cfg)
   shapes.check(cfg)
   params = shapes.params
-  p = spmd.plan(params, types.SimpleNamespace(shape=shape), mesh_spec)
+  p = placement.of(params, types.SimpleNamespace(shape=shape), mesh_spec)
   comm = _Comm(shape)
   sparse_engine = cfg.train.embedding_update == "sparse"
 
-  # Parameters: per leaf for the axis split; totals must equal spmd.analytic_comm.
+  # Parameters: per leaf for the axis split; totals must equal placement.analytic_comm.
   specs = p.tree_specs(params)
   spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  for var, ps in zip(jax.tree_util.tree_leaves(params, is_leaf=spmd._is_var), spec_leaves):
+  for var, ps in zip(jax.tree_util.tree_leaves(params, is_leaf=placement.is_variable), spec_leaves):
     w = _nbytes(var.get_value())
     own = {a for e in ps if e is not None for a in ((e,) if isinstance(e, str) else e)}
     n_s = math.prod(shape[a] for a in own)
     rest = [a for a in MESH_AXES if a not in own]
-    if not (sparse_engine and isinstance(var, spmd.embeddings_lib.Table)):
+    if not (sparse_engine and isinstance(var, placement.embeddings_lib.Table)):
       comm.ring("params", "all-reduce", rest, w / n_s)
-    if not isinstance(var, spmd.embeddings_lib.Table):
-      n_t = t if spmd.TP_AXIS in own else 1
-      gather = [a for a in own if a != spmd.TP_AXIS]
+    if not isinstance(var, placement.embeddings_lib.Table):
+      n_t = t if placement.TP_AXIS in own else 1
+      gather = [a for a in own if a != placement.TP_AXIS]
       comm.ring("params", "all-gather", gather, w / n_t)
       comm.ring("params", "reduce-scatter", gather, w / n_t)
-  analytic = spmd.analytic_comm(p, params)
+  analytic = placement.analytic_comm(p, params)
   mine = comm.summary("params")
   if not math.isclose(mine["total"], analytic["dense_total"] + (0.0 if sparse_engine else analytic["table_grad_sync"]),
                       rel_tol=1e-6):
-    raise AssertionError(f"simulate: parameter bytes {mine['total']} disagree with spmd.analytic_comm {analytic}")
+    raise AssertionError(f"simulate: parameter bytes {mine['total']} disagree with placement.analytic_comm {analytic}")
 
   # History token counts of one data shard.
   lengths = history_lengths(shapes, mean_history, spec.sequence.max_len)
@@ -368,9 +368,9 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
   # Memory per device.
   opt_state = shapes.opt_state
   param_bytes = _shard_bytes(params, specs, shape)
-  dense_full = sum(_nbytes(v.get_value()) / (t if spmd.TP_AXIS in str(ps) else 1)
-                   for v, ps in zip(jax.tree_util.tree_leaves(params, is_leaf=spmd._is_var), spec_leaves)
-                   if not isinstance(v, spmd.embeddings_lib.Table))
+  dense_full = sum(_nbytes(v.get_value()) / (t if placement.TP_AXIS in str(ps) else 1)
+                   for v, ps in zip(jax.tree_util.tree_leaves(params, is_leaf=placement.is_variable), spec_leaves)
+                   if not isinstance(v, placement.embeddings_lib.Table))
   hist_dims = sum(spec.table(fld.table).dim for fld in spec.sequence.fields)
   activations = float(n_hist * hist_dims * 4 + n_hist * d * act)
   tp = t if hstu_tp else 1
@@ -382,7 +382,7 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
   activations += model_cfg.num_layers * act * b * (
       3 * f_in * e + 3 * (w.fm_outputs + w.lcb_outputs) * e + f_in * w.fm_rank + 2 * w.mlp_hidden / t)
   # The sparse engine differentiates the rows a batch read, never a table (their sinks are activations).
-  dense_params = nnx.split_state(params, spmd.embeddings_lib.Table, ...)[1]
+  dense_params = nnx.split_state(params, placement.embeddings_lib.Table, ...)[1]
   grad_bytes = _shard_bytes(dense_params, p.tree_specs(dense_params), shape) if sparse_engine else param_bytes
   memory = {"params": param_bytes, "optimizer": _shard_bytes(opt_state, p.tree_specs(opt_state), shape),
             "gradients": grad_bytes, "gathered_params": dense_full, "activations": activations,

@@ -39,7 +39,7 @@ def sync_collectives(tables, table_axes, spec, shape, shards: int, slack: float,
   takes, the rows it may sum them into, the rows of an earlier merge still held)}) on a mesh of axis sizes
   `shape` with `shards` data shards (the simulator's model of table_update.update_tables).
 
-  A merge (table_update._merge_rows) sums (id, row) pairs into min(slots, rows + 1) distinct rows. Its
+  A merge (table_update.merge_rows) sums (id, row) pairs into min(slots, rows + 1) distinct rows. Its
   slots are static: a collective's fallback rounds (table_update._in_rounds, sparse.send_to_owners) return
   every slot they might carry, run or not, so an owner merges P x U received slots (U = min(ids a device
   reads, V)) and the all-gather across n copies hands n x min(P x U, rows per owner) slots to the last

@@ -1,11 +1,13 @@
 """The embedding lookups a model makes, read off the model itself, and the all-to-all capacities they need.
 
-`lookup_ids` traces the task's loss on one data shard's batch with a recording runtime (gem_jax/runtime.py):
+`LookupTrace` traces the task's loss on one data shard's batch with a recording runtime (gem_jax/runtime.py),
+once per batch shape:
 every EmbeddingCollection.lookup tells the recorder its table and ids, and the jitted function returns those
 ids, everything else being dead code (count_only: lookups and attention return zeros, so no parameter or
 table is read and XLA drops the rest; the parameters are zeros made inside the function, never allocated).
-A lookup call is keyed "table/N" by its table and how many ids it reads, as the SPMD step keys it
-(gem_jax/parallel/spmd.py), so a lookup added to the model gets a capacity without anyone listing it.
+A lookup call (`LookupCall`) is its table and how many ids it reads, keyed "table/N" as the SPMD step keys it
+(gem_jax/parallel/spmd.py), so a lookup added to the model gets a capacity without anyone listing it. The
+same trace gives the sparse engine its calls (`calls`) and the capacities their ids (`ids`).
 
 `sync_capacities`: per table, the slots of the sparse engine's three update stages (gem_jax/run/table_update.py)
 on the same ids, all calls of a table together.
@@ -17,6 +19,7 @@ distinct ids per call of sample batches the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -29,36 +32,76 @@ from gem_jax.parallel import sparse
 from gem_jax.parallel.rules import DATA_AXES
 
 
+@dataclasses.dataclass(frozen=True)
+class LookupCall:
+  """One lookup call of the model on one data shard: its table and how many ids it reads."""
+  table: str
+  ids: int
+
+  @property
+  def key(self) -> str:
+    """How capacities and stats name the call ("table/N"; gem_jax/parallel/spmd.py keys it the same)."""
+    return f"{self.table}/{self.ids}"
+
+
 class _Recorder:
   def __init__(self):
-    self.calls: list[tuple[str, jax.Array]] = []
+    self.calls: list[tuple[LookupCall, jax.Array]] = []
 
   def record(self, what: str, **facts) -> None:
     if what == "lookup":
-      self.calls.append((f"{facts['table']}/{int(np.prod(facts['ids'].shape))}", facts["ids"].reshape(-1)))
+      ids = facts["ids"]
+      self.calls.append((LookupCall(facts["table"], int(np.prod(ids.shape))), ids.reshape(-1)))
 
 
-def lookup_ids(graphdef, rest, params, task, sharded_batch) -> list[tuple[str, np.ndarray]]:
-  """[(call key, ids of every data shard: S x N)] of the model's lookups on a sharded host batch.
+def _shape_key(tree):
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return treedef, tuple((tuple(np.shape(x)), str(x.dtype)) for x in leaves)
 
-  graphdef / rest / params: the model (params and rest may be abstract: only shapes are read)."""
-  shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), (params, rest))
-  keys: list[str] = []
 
-  def ids_of(batch):
-    recorder = _Recorder()
-    p, r = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    with runtime.using(recorder=recorder, count_only=True):
-      task.sums(nnx.merge(graphdef, p, r), batch, None)
-    keys[:] = [key for key, _ in recorder.calls]
-    return [ids for _, ids in recorder.calls]
+class LookupTrace:
+  """The lookups of one model and task, read off one count-only trace per batch shape (module docstring):
+  `calls(local)` for the sparse engine and the step, `ids(sharded)` for capacities and the simulator, from
+  the same trace. params / rest may be abstract: only shapes are read."""
 
-  local = jax.tree_util.tree_map(lambda x: np.asarray(x)[0], sharded_batch)
-  fn = jax.jit(ids_of)
-  fn.lower(local)  # the keys come from the trace
-  shards = np.shape(jax.tree_util.tree_leaves(sharded_batch)[0])[0]
-  per_shard = [fn(jax.tree_util.tree_map(lambda x: np.asarray(x)[s], sharded_batch)) for s in range(shards)]
-  return [(key, np.stack([np.asarray(out[i]) for out in per_shard])) for i, key in enumerate(keys)]
+  def __init__(self, graphdef, rest, params, task):
+    self.graphdef, self.task = graphdef, task
+    self.shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), (params, rest))
+    self.traces = 0                      # count-only traces run so far (one per batch shape)
+    self._programs: dict = {}
+
+  def _program(self, local):
+    """(the calls, the jitted ids function) of a data shard's batch of this shape, traced once."""
+    key = _shape_key(local)
+    if key not in self._programs:
+      calls: list[LookupCall] = []
+
+      def ids_of(batch):
+        recorder = _Recorder()
+        params, rest = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.shapes)
+        with runtime.using(recorder=recorder, count_only=True):
+          self.task.sums(nnx.merge(self.graphdef, params, rest), batch, None)
+        calls[:] = [call for call, _ in recorder.calls]
+        return [ids for _, ids in recorder.calls]
+
+      fn = jax.jit(ids_of)
+      structs = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), local)
+      fn.lower(structs)  # the trace: the calls come from it; calls with arrays of this shape reuse it
+      self.traces += 1
+      self._programs[key] = (list(calls), fn)
+    return self._programs[key]
+
+  def calls(self, local) -> list[LookupCall]:
+    """The lookup calls, in call order, of one data shard's batch (arrays or ShapeDtypeStructs)."""
+    return self._program(local)[0]
+
+  def ids(self, sharded_batch) -> list[tuple[str, np.ndarray]]:
+    """[(call key, ids of every data shard: S x N)] of the model's lookups on a sharded host batch."""
+    local = jax.tree_util.tree_map(lambda x: np.asarray(x)[0], sharded_batch)
+    calls, fn = self._program(local)
+    shards = np.shape(jax.tree_util.tree_leaves(sharded_batch)[0])[0]
+    per_shard = [fn(jax.tree_util.tree_map(lambda x: np.asarray(x)[s], sharded_batch)) for s in range(shards)]
+    return [(call.key, np.stack([np.asarray(out[i]) for out in per_shard])) for i, call in enumerate(calls)]
 
 
 def capacities(calls: list[tuple[str, np.ndarray]], plan, vocab_of, slack: float = 1.05,

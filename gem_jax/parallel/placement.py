@@ -30,12 +30,12 @@ from gem_jax.parallel.mesh import MeshSpec
 from gem_jax.parallel.rules import DATA_AXES, MESH_AXES, Rules, logical_to_spec
 
 
-def _is_var(x) -> bool:
+def is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Placement:
   """Where every parameter lives on the mesh."""
   mesh: Any                               # jax.sharding.Mesh, or an AbstractMesh (shapes only)
   spec: MeshSpec
@@ -63,19 +63,19 @@ class Plan:
     """PartitionSpecs (a pytree prefix of `tree`) for params, optimizer state, or anything holding nnx
     Variables; plain arrays (step counters) are replicated."""
     def one(path, x):
-      if not _is_var(x):
+      if not is_variable(x):
         return P()
-      if isinstance(x, embeddings_lib.Table) and str(_path_names(path)[-1]) in self.replicated_tables:
+      if isinstance(x, embeddings_lib.Table) and str(path_names(path)[-1]) in self.replicated_tables:
         return P()  # tables and their row-wise optimizer state alike
       return self.spec_for(x.get_metadata().get("out_sharding"), np.shape(x.get_value()))
-    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_var)
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_variable)
 
   def shardings(self, tree) -> Any:
     return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), self.tree_specs(tree),
                                   is_leaf=lambda x: isinstance(x, P))
 
 
-def _path_names(path) -> list:
+def path_names(path) -> list:
   return [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
 
 
@@ -101,9 +101,9 @@ def tensor_parallel_parts(params) -> tuple[Part, ...]:
   (a Dense or LayerNorm: kernel, bias, scale) belongs to the module holding that layer, a direct parameter
   (HSTU's rel_bias) to its own module."""
   out = []
-  for path, var in jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_var):
+  for path, var in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_variable):
     names = tuple(var.get_metadata().get("out_sharding") or ())
-    parts = [str(n) for n in _path_names(path)]
+    parts = [str(n) for n in path_names(path)]
     owner = parts[:-2] if parts[-1] in ("kernel", "bias", "scale") else parts[:-1]
     for dim, name in enumerate(names):
       if name in TP_NAMES:
@@ -113,7 +113,7 @@ def tensor_parallel_parts(params) -> tuple[Part, ...]:
 
 def tensor_slices(part: Part, spec: MeshSpec) -> int:
   """How many slices the step leaves `part` cut into: the tensor size when its rule entry is exactly
-  `tensor` and the size divides (Plan.spec_for), else 1 (whole, or gathered back before use)."""
+  `tensor` and the size divides (Placement.spec_for), else 1 (whole, or gathered back before use)."""
   entry = logical_to_spec(part.names, spec.rules)[part.dim]
   t = spec.shape[TP_AXIS]
   return t if entry == TP_AXIS and t > 1 and part.size % t == 0 else 1
@@ -124,7 +124,7 @@ def tensor_slices(part: Part, spec: MeshSpec) -> int:
 REPLICATE_TABLE_BYTES = 16 * 1024
 
 
-def plan(params, mesh, mesh_spec: MeshSpec, replicate_table_bytes: int = REPLICATE_TABLE_BYTES) -> Plan:
+def of(params, mesh, mesh_spec: MeshSpec, replicate_table_bytes: int = REPLICATE_TABLE_BYTES) -> Placement:
   """The placement of `params` (nnx.State of nnx.Param, tables included) on `mesh`.
 
   Tables: row sharded by the rules (default over `sparse`) when the rows divide over those axes and the
@@ -134,15 +134,15 @@ def plan(params, mesh, mesh_spec: MeshSpec, replicate_table_bytes: int = REPLICA
   rules = mesh_spec.rules
   notes = []
   table_axes = {}
-  probe = Plan(mesh, mesh_spec, rules, {}, ())
-  for path, var in jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_var):
+  probe = Placement(mesh, mesh_spec, rules, {}, ())
+  for path, var in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_variable):
     names = var.get_metadata().get("out_sharding")
     shape = np.shape(var.get_value())
     key = jax.tree_util.keystr(path)
     spec = probe.spec_for(names, shape)
     value = var.get_value()
     if isinstance(var, embeddings_lib.Table) and np.size(value) * value.dtype.itemsize <= replicate_table_bytes:
-      table_axes[str(_path_names(path)[-1])] = ()
+      table_axes[str(path_names(path)[-1])] = ()
       continue
     wanted = logical_to_spec(names, rules) if names is not None and len(names) == len(shape) else P()
     for dim, entry in enumerate(spec):
@@ -155,25 +155,25 @@ def plan(params, mesh, mesh_spec: MeshSpec, replicate_table_bytes: int = REPLICA
           mesh.shape[a] for a in ((want,) if isinstance(want, str) else want)) > 1:
         notes.append(f"{key}: dim {dim} (size {shape[dim]}) does not divide over {want}; kept whole")
     if isinstance(var, embeddings_lib.Table):
-      name = str(_path_names(path)[-1])
+      name = str(path_names(path)[-1])
       first = spec[0] if len(spec) else None
       table_axes[name] = () if first is None else (first,) if isinstance(first, str) else tuple(first)
   small = sorted(t for t, axes in table_axes.items() if not axes)
   if small:
     notes.append(f"tables {small} are <= {replicate_table_bytes} bytes or do not divide: replicated")
-  return Plan(mesh, mesh_spec, rules, table_axes, tuple(notes), frozenset(small))
+  return Placement(mesh, mesh_spec, rules, table_axes, tuple(notes), frozenset(small))
 
 
-def state_shardings(state, p: Plan):
-  replicated = NamedSharding(p.mesh, P())
-  return dataclasses.replace(state, params=p.shardings(state.params), opt_state=p.shardings(state.opt_state),
+def state_shardings(state, placed: Placement):
+  replicated = NamedSharding(placed.mesh, P())
+  return dataclasses.replace(state, params=placed.shardings(state.params), opt_state=placed.shardings(state.opt_state),
                              step=replicated, rng=replicated)
 
 
-def place_state(state, p: Plan):
+def place_state(state, placed: Placement):
   """The train state (a dataclass of params, opt_state, step, rng: gem_jax/run/step.py) laid out on the
   mesh, from host or one-device arrays."""
-  shardings = state_shardings(state, p)
+  shardings = state_shardings(state, placed)
 
   def put(x, s):
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # a typed key: place its data, wrap it again
@@ -188,7 +188,7 @@ def place_state(state, p: Plan):
                                 shardings, state, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-def analytic_comm(p: Plan, params) -> dict[str, float]:
+def analytic_comm(placed: Placement, params) -> dict[str, float]:
   """Bytes per device per train step that the placement implies for parameters (not lookups).
 
   For a dense parameter of W bytes sharded over axes of total size n_s (its block is W / n_s):
@@ -201,10 +201,10 @@ def analytic_comm(p: Plan, params) -> dict[str, float]:
   on ("table_grad_sync"); a replicated table all-reduces all of it. The embedding all-to-alls are
   measured separately against the ideal ids-and-rows volume (sparse.ideal_bytes).
   """
-  specs = p.tree_specs(params)
+  specs = placed.tree_specs(params)
   out = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0, "table_grad_sync": 0.0}
-  shape = p.mesh.shape
-  leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_var)
+  shape = placed.mesh.shape
+  leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=is_variable)
   spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
   for (path, var), spec in zip(leaves, spec_leaves):
     value = var.get_value()

@@ -44,6 +44,22 @@ def _as_axes(axes: str | Sequence[str]) -> tuple[str, ...]:
   return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def fallback_rounds(n: int, capacity: int, spill_fraction: float = 0.125,
+                    second: bool = True) -> list[tuple[str, int, int]]:
+  """The rounds after the first of `capacity` slots, for n slots in all: [(name, first slot, slots)], empty
+  rounds left out. "spill" takes ceil(spill_fraction x capacity) more, "second" (when asked for) another
+  `capacity`, and the last round ("last_resort", or "rest" without a second round) everything left, so no
+  slot is ever dropped. The lookup, the owner exchange and the sparse engine's syncs share these sizes."""
+  capacity = int(min(max(1, capacity), n))
+  spill = int(min(max(1, math.ceil(spill_fraction * capacity)), n - capacity))
+  again = int(min(capacity, n - capacity - spill)) if second else 0
+  rounds = [("spill", capacity, spill)]
+  if second:
+    rounds.append(("second", capacity + spill, again))
+  rounds.append(("last_resort" if second else "rest", capacity + spill + again, n - capacity - spill - again))
+  return rounds
+
+
 def _exchange(table_VlxE, local_U, owner_U, slot_U, send_U, *, axes, num_shards, capacity):
   """One round: ids with `send_U` go to `owner_U` at `slot_U` (< capacity); returns their rows (U x E).
 
@@ -126,12 +142,8 @@ def sharded_lookup(table_VlxE: jax.Array, ids: jax.Array, *, axes: str | Sequenc
 
     # Overflow tiers: a small spill round (typical excess over a capacity sized on one batch), then a
     # last-resort round with room for every remaining id. Each runs only when some device needs it.
-    spill = int(min(max(1, math.ceil(spill_fraction * capacity)), n - capacity))
-    again = int(min(capacity, n - capacity - spill))
-    tiers = [("spill", capacity, spill), ("second", capacity + spill, again),
-             ("last_resort", capacity + spill + again, n - capacity - spill - again)]
     ran = {}
-    for name, lo, size in tiers:
+    for name, lo, size in fallback_rounds(n, capacity, spill_fraction):
       if size <= 0:
         ran[name] = jnp.zeros((), jnp.int32)
         continue
@@ -202,11 +214,7 @@ def send_to_owners(ids_U: jax.Array, values_UxE: jax.Array, *, axes: str | Seque
 
     ids, rows = send(valid_U & (slot_U < capacity), slot_U, capacity)
     received_ids, received_rows, ran, stats = [ids], [rows], [], {}
-    spill = int(min(max(1, math.ceil(spill_fraction * capacity)), n - capacity))
-    again = int(min(capacity, n - capacity - spill))
-    rounds = (("spill", capacity, spill), ("second", capacity + spill, again),
-              ("last_resort", capacity + spill + again, n - capacity - spill - again))
-    for name, lo, size in rounds:
+    for name, lo, size in fallback_rounds(n, capacity, spill_fraction):
       if size <= 0:
         continue
       extra_U = valid_U & (slot_U >= lo) & (slot_U < lo + size)

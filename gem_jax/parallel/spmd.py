@@ -46,7 +46,7 @@ from gem_jax import runtime
 from gem_jax.model import embeddings as embeddings_lib
 from gem_jax.parallel import sparse
 from gem_jax.parallel import target as target_lib
-from gem_jax.parallel.placement import TP_AXIS, Plan
+from gem_jax.parallel.placement import TP_AXIS, Placement
 from gem_jax.parallel.rules import DATA_AXES, MESH_AXES
 from pallas_kernels import vma
 
@@ -84,9 +84,9 @@ def active_spec(spec: P, mesh) -> P:
   return P(*(entry(e) for e in spec))
 
 
-def step_specs(p: Plan, tree):
+def step_specs(placed: Placement, tree):
   """The shard_map specs of `tree` (parameters, optimizer state): its placement's specs without size-1 axes."""
-  return jax.tree_util.tree_map(lambda s: active_spec(s, p.mesh), p.tree_specs(tree), is_leaf=lambda x: isinstance(x, P))
+  return jax.tree_util.tree_map(lambda s: active_spec(s, placed.mesh), placed.tree_specs(tree), is_leaf=lambda x: isinstance(x, P))
 
 
 def data_spec(mesh) -> P:
@@ -100,17 +100,17 @@ def local(batch):
   return jax.tree_util.tree_map(lambda x: x[0], batch)
 
 
-def _lookup_fn(p: Plan, capacities: dict[str, int], stats: dict):
+def _lookup_fn(placed: Placement, capacities: dict[str, int], stats: dict):
   """The distributed lookup installed into the model while the step is traced."""
-  active = active_axes(p.mesh)
+  active = active_axes(placed.mesh)
 
   def fn(table: str, rows_VlxE, ids):
-    axes = active_axes(p.mesh, p.table_axes.get(table, ()))
+    axes = active_axes(placed.mesh, placed.table_axes.get(table, ()))
     if not axes:
       return jnp.take(rows_VlxE, jnp.where(ids < 0, rows_VlxE.shape[0], ids), axis=0, mode="fill",
                       fill_value=jnp.nan)
     flat = ids.reshape(-1)
-    num_rows = rows_VlxE.shape[0] * math.prod(p.mesh.shape[a] for a in axes)
+    num_rows = rows_VlxE.shape[0] * math.prod(placed.mesh.shape[a] for a in axes)
     # Sized per (table, ids per call) from the trace (parallel/lookups.py); an unknown call gets room for all its ids.
     call = f"{table}/{flat.shape[0]}"  # a lookup call: its table and how many ids it reads
     with jax.named_scope(f"table={call}"):  # HLO op names say which call a collective serves
@@ -162,25 +162,25 @@ def merge(graphdef, rest, params, specs, mesh):
   return nnx.merge(graphdef, full, rest)
 
 
-def device_key(dropout_rng, p: Plan):
+def device_key(dropout_rng, placed: Placement):
   """The step's dropout key folded with this device's data shard and tensor slice along every axis of size
   > 1, so no two devices draw the same mask (the context-parallel HSTU path folds in its slice itself). On
   one device the key is the step's own. The masks therefore depend on the mesh: with dropout on, two
   meshes train equally well but not on the same random numbers (with dropout off, the default, they
   compute the same function)."""
   for axis in (*DATA_AXES, TP_AXIS):
-    if p.mesh.shape[axis] > 1:
+    if placed.mesh.shape[axis] > 1:
       dropout_rng = jax.random.fold_in(dropout_rng, jax.lax.axis_index(axis))
   return dropout_rng
 
 
 @contextlib.contextmanager
-def installed(p: Plan, capacities: dict[str, int], stats: dict):
+def installed(placed: Placement, capacities: dict[str, int], stats: dict):
   """The runtime of a trace inside shard_map: the distributed lookup, the tensor-parallel sum, the
   context slices and the target the step is built for (the mesh's devices decide kernels and FP8 paths)."""
-  tensor_sum = _tensor_sum if p.mesh.shape[TP_AXIS] > 1 else (lambda x: x)
-  with runtime.using(lookup=_lookup_fn(p, capacities, stats), tensor_sum=tensor_sum, context=_context(p.mesh),
-                     target=target_lib.of(p.mesh, p.spec)):
+  tensor_sum = _tensor_sum if placed.mesh.shape[TP_AXIS] > 1 else (lambda x: x)
+  with runtime.using(lookup=_lookup_fn(placed, capacities, stats), tensor_sum=tensor_sum, context=_context(placed.mesh),
+                     target=target_lib.of(placed.mesh, placed.spec)):
     yield
 
 
@@ -195,7 +195,7 @@ def total(x, mesh):
   return jax.lax.psum(x, axes) / copies
 
 
-def stat_metrics(stats: dict, p: Plan) -> dict:
+def stat_metrics(stats: dict, placed: Placement) -> dict:
   """Per lookup call ("table/N"): which fallback rounds ran anywhere, and per-device means of the counts."""
   out = {}
   for call, items in stats.items():
@@ -205,6 +205,6 @@ def stat_metrics(stats: dict, p: Plan) -> dict:
       ran = sum(s[key] for s in items)
       vary = tuple(a for a in MESH_AXES if a in vma.varying_axes(ran))
       out[f"emb/{call}/{key}"] = jax.lax.pmax(ran, vary) if vary else ran
-    out[f"emb/{call}/unique"] = total(unique, p.mesh) / p.num_data_shards
-    out[f"emb/{call}/remote_unique"] = total(remote, p.mesh) / p.num_data_shards
+    out[f"emb/{call}/unique"] = total(unique, placed.mesh) / placed.num_data_shards
+    out[f"emb/{call}/remote_unique"] = total(remote, placed.mesh) / placed.num_data_shards
   return out

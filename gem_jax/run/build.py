@@ -37,6 +37,7 @@ from gem_jax.parallel import host_exchange, lookups, placement
 from gem_jax.parallel import target as target_lib
 from gem_jax.parallel.rules import DATA_AXES
 from gem_jax.run import optim, step as step_lib, tasks
+from gem_jax.run.state import TrainState, init_state
 
 # Registers the next-item task and source and the Parquet source with their registries (their own files).
 from gem_jax.data import parquet_source, seqrec_source  # noqa: F401  isort: skip
@@ -51,13 +52,14 @@ class Run:
   task: Any
   mesh_spec: mesh_lib.MeshSpec
   mesh: Any                      # jax.sharding.Mesh, or an AbstractMesh when abstract
-  plan: placement.Plan
+  plan: placement.Placement
   optimizer: Any
   graphdef: Any
   rest: Any                      # the model's non-parameter state
-  state: step_lib.TrainState     # placed on the mesh, or ShapeDtypeStructs with their shardings
+  state: TrainState     # placed on the mesh, or ShapeDtypeStructs with their shardings
   capacities: dict[str, int]
   sync_capacities: dict[str, dict[str, int]]  # the sparse engine's, per table (lookups.sync_capacities)
+  lookups: lookups.LookupTrace   # the model's lookup calls per batch shape, one count-only trace each
   train_step: Any = None         # None on an abstract mesh
   eval_step: Any = None
   _exchange: Any = dataclasses.field(default_factory=lambda: host_exchange.Exchange("feed"), repr=False)
@@ -137,7 +139,7 @@ class Run:
     every = self._exchange.all(mine)
     return {k: sum(e.get(k, 0) for e in every) for k in sorted({k for e in every for k in e})}
 
-  def abstract_state(self) -> step_lib.TrainState:
+  def abstract_state(self) -> TrainState:
     """The restore target: shapes, dtypes and this run's shardings (a checkpoint from any mesh fits)."""
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
 
@@ -196,12 +198,12 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
     mesh = (mesh_lib.build_mesh(mesh_spec, devices) if compile_only else
             mesh_lib.build_mesh(mesh_spec, jax.devices()[:mesh_spec.num_devices]) if local
             else mesh_lib.build_abstract_mesh(mesh_spec))
-    state = jax.eval_shape(lambda p: step_lib.init_state(p, optimizer, task.train_key(seed)), params)
+    state = jax.eval_shape(lambda p: init_state(p, optimizer, task.train_key(seed)), params)
   else:
     mesh = mesh_lib.build_mesh(mesh_spec, devices)
     # One program for the optimizer state and the key too (eagerly, each leaf's zeros would compile alone).
-    state = jax.jit(lambda p: step_lib.init_state(p, optimizer, task.train_key(seed)))(params)
-  p = placement.plan(state.params, mesh, mesh_spec)
+    state = jax.jit(lambda p: init_state(p, optimizer, task.train_key(seed)))(params)
+  p = placement.of(state.params, mesh, mesh_spec)
   if not allocate:
     shardings = placement.state_shardings(state, p)
     state = jax.tree_util.tree_map(
@@ -210,28 +212,28 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
   else:
     state = placement.place_state(state, p)
   capacities, sync_capacities = {}, {}
+  lookup_trace = lookups.LookupTrace(graphdef, rest, state.params, task)
   if not abstract:  # an abstract run (the simulator) reads its lookups off samples of its own
     first = first_batch if first_batch is not None else source.first_batch()
-    capacities, sync_capacities = _capacities((graphdef, rest, state.params, task), source, p, first,
-                                              capacity_slack, capacity_multiple, cfg.train.embedding_update)
+    capacities, sync_capacities = _capacities(lookup_trace, source, p, first, capacity_slack, capacity_multiple,
+                                              cfg.train.embedding_update)
   run = Run(cfg, source, task, mesh_spec, mesh, p, optimizer, graphdef, rest, state, capacities,
-            sync_capacities)
+            sync_capacities, lookup_trace)
   if not abstract or local:  # compile-only builds included
     run.train_step = step_lib.make_train_step(graphdef, rest, optimizer, task, p, state, capacities,
-                                              cfg.train.embedding_update, sync_capacities)
+                                              cfg.train.embedding_update, sync_capacities, lookup_trace)
     run.eval_step = step_lib.make_eval_step(graphdef, rest, task, p, state.params, capacities)
   return run
 
 
-def _capacities(run_parts, source, p, first, slack, multiple, engine: str):
+def _capacities(lookup_trace, source, p, first, slack, multiple, engine: str):
   """(all-to-all capacities of the model's lookups, the sparse engine's sync capacities per table), read off
   the model's trace on the first batch: none where nothing is row sharded, or on one device."""
   row_sharded = any(p.table_axes.values())
   sync = engine == "sparse" and any(n > 1 for n in p.mesh.shape.values())
   if not (row_sharded or sync):
     return {}, {}
-  graphdef, rest, params, task = run_parts
-  calls = lookups.lookup_ids(graphdef, rest, params, task, source.shard(first, p.num_data_shards))
+  calls = lookup_trace.ids(source.shard(first, p.num_data_shards))
   vocab_of = lambda table: source.spec.table(table).vocab_size
   return (lookups.capacities(calls, p, vocab_of, slack, multiple) if row_sharded else {},
           lookups.sync_capacities(calls, p, vocab_of, slack, multiple) if sync else {})

@@ -1,25 +1,35 @@
-"""The sparse embedding engine: a train step whose table work follows the ids a batch reads, not V.
+"""The table updates of the one train step (gem_jax/run/step.py): how tables are differentiated and updated.
+
+  DenseTables    train.embedding_update = "dense": tables differentiated whole (V x E gradients) and the row
+                 rule's dense form on every row; the exact reference
+  SparseTables   "sparse" (the default), the sparse embedding engine: table work follows the ids a batch
+                 reads, not V
+
+Both answer the step's questions the same way: `calls(batch)` (the lookup calls the update needs to know),
+`wrt` (what value_and_grad differentiates for the tables), `model_tables` (the tables the model sees),
+`lookup` (the lookup wrapped for the backward), `apply` (the gradients to new tables and row-optimizer
+state, as a TableStep).
 
 Letters: V table rows, Vl rows of this device's block, E width, N ids a lookup call reads on one device,
 U distinct ids, M rows an owner receives, D devices.
 
-Three stages, in the one jitted train step (gem_jax/run/step.py picks this path for
-train.embedding_update = "sparse"; "dense" keeps the V x E gradient as the reference):
-  ids     before the step is traced, a count-only trace of the task (jax.eval_shape, nothing runs) lists
-          the lookup calls of this batch shape: (table, N) in call order.
+The sparse engine, in three stages of the one jitted train step:
+  ids     the run's count-only trace of the task (gem_jax/parallel/lookups.py LookupTrace, once per batch
+          shape; nothing runs) lists the lookup calls of this batch shape: (table, N) in call order.
   grads   the loss is differentiated with respect to the dense parameters and one zero "sink" per lookup
           call (N x E on every device) that the lookup adds to the rows it read. The tables themselves are
           not differentiated, so the backward produces each call's row cotangents (N x E) and nothing of
           size V. The forward lookup is the usual one (a local gather, or gem_jax/parallel/sparse.py's
           all-to-all on a row-sharded table); the lookup also returns the ids it read.
-  update  (no gradient, under shard_map) per table: cotangents summed over the devices that hold the same
-          data shard (context, tensor: one psum of N x E), ids deduplicated and their rows summed (sorted
-          unique + segment sum, as FBGEMM's TBE backward), rows sent to their owner over all-to-all
-          (sparse.send_to_owners; a table sharded over `sparse` or `fsdp x sparse`), merged again across
-          copies of the table on other data axes, and the row rule (gem_jax/run/table_optim.py) applied to
-          the touched rows only: gather rows and slots, update, scatter into the donated table. On one
-          device, a table with no more rows than the ids it reads (`dense_rows`: the small tables of an
-          ads batch) skips the sort: its rows' V x E scatter-add and the rule on the rows it touched.
+  update  (no gradient, under shard_map) per table, `merge_table` by its `Layout`: cotangents summed over
+          the devices that hold the same data shard (context, tensor: one psum of N x E), ids deduplicated
+          and their rows summed (sorted unique + segment sum, as FBGEMM's TBE backward), rows sent to their
+          owner over all-to-all (sparse.send_to_owners; a table sharded over `sparse` or `fsdp x sparse`),
+          merged again across copies of the table on other data axes, and the row rule
+          (gem_jax/run/table_optim.py) applied to the touched rows only: gather rows and slots, update,
+          scatter into the donated table. On one device, a table with no more rows than the ids it reads
+          (`dense_rows`: the small tables of an ads batch) skips the sort: its rows' V x E scatter-add and
+          the rule on the rows it touched.
 
 Copies of a table on other data axes (rows over `sparse` while `fsdp`/`replica` > 1, or a replicated
 table) must end the step identical. For n copies and U touched rows per copy, all-gathering (ids, rows)
@@ -28,26 +38,28 @@ The engine all-gathers unless the dense sync is smaller (small replicated tables
 the cheapest layout of all is rows over every data axis holding a copy (no copies to sync; the
 all-to-all then moves only the rows' gradients, once): a mesh file's `table_rows` rule chooses it.
 
-Non-finite guard: the merged row gradients' squared norm joins the dense one; a step whose loss or
-gradient is not finite writes no row (and the dense parameters stay, as in step.guarded_update).
+Non-finite guard: the tables' squared gradient norm joins the dense one; a step whose loss or gradient is
+not finite writes no row (and the dense parameters stay: gem_jax/run/state.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from gem_jax import runtime
 from gem_jax.model.embeddings import Table
 from gem_jax.parallel import sparse, spmd
+from gem_jax.parallel.lookups import LookupCall
 from gem_jax.parallel.rules import DATA_AXES
+from gem_jax.run.state import squared_norm
 
 COPY_AXES = ("context", "tensor")  # devices along these hold the same data shard
 
@@ -62,36 +74,12 @@ def table_names(tables) -> list[str]:
           jax.tree_util.tree_leaves_with_path(tables, is_leaf=_is_var)]
 
 
-class _Calls:
-  def __init__(self):
-    self.calls: list[tuple[str, int]] = []
-
-  def record(self, what: str, **facts) -> None:
-    if what == "lookup":
-      self.calls.append((facts["table"], int(math.prod(facts["ids"].shape))))
-
-
-def lookup_calls(graphdef, rest, task, params, local_batch) -> list[tuple[str, int]]:
-  """(table, ids read) of every lookup the task's loss makes on one data shard of this batch shape, in call
-  order: an abstract, count-only trace (nothing is computed or allocated)."""
-  recorder = _Calls()
-  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, local_batch))
-
-  def trace(params, batch):
-    with runtime.using(recorder=recorder, count_only=True):
-      task.sums(nnx.merge(graphdef, params, rest), batch, None)
-    return 0
-
-  jax.eval_shape(trace, *abstract)
-  return recorder.calls
-
-
-def sink_lookup(inner, calls, sinks, recorded):
+def sink_lookup(inner, calls: list[LookupCall], sinks, recorded):
   """The lookup of the grads stage: `inner`'s rows plus this call's sink, and the call's ids kept."""
 
   def fn(table, rows_VxE, ids):
     i = len(recorded)
-    key = (table, int(math.prod(ids.shape)))
+    key = LookupCall(table, int(math.prod(ids.shape)))
     if i >= len(calls) or calls[i] != key:
       raise RuntimeError(f"sparse engine: lookup call {i} is {key}, but the count-only trace listed "
                          f"{calls[i] if i < len(calls) else 'no more calls'}; the model's lookups must not depend "
@@ -103,7 +91,7 @@ def sink_lookup(inner, calls, sinks, recorded):
   return fn
 
 
-def _merge_rows(ids_M, g_MxE, num_rows: int, parts: tuple[int, ...] | None = None):
+def merge_rows(ids_M, g_MxE, num_rows: int, parts: tuple[int, ...] | None = None):
   """Distinct ids (sorted, `num_rows` in unused slots) and the summed rows of each: the segment sum.
 
   parts: the sizes of consecutive runs of ids_M (one per lookup call); each run is summed on its own and
@@ -124,7 +112,7 @@ def _merge_rows(ids_M, g_MxE, num_rows: int, parts: tuple[int, ...] | None = Non
   return uniq_U, g_UxE
 
 
-def _apply_rows(rule, block_VxE, slots, uniq_U, g_UxE, write_U, count):
+def apply_rows(rule, block_VxE, slots, uniq_U, g_UxE, write_U, count):
   """The rule on the rows `uniq_U` of this block, scattered back where write_U (in place when donated)."""
   num_rows = block_VxE.shape[0]
   safe_U = jnp.where(uniq_U < num_rows, uniq_U, 0)
@@ -176,12 +164,11 @@ def _in_rounds(collective, parts, capacity: int, uniform_axes, count, grow: int 
   scopes of their collectives)."""
   n = parts[0].shape[0]
   capacity = int(min(max(1, capacity), n))
-  spill = int(min(max(1, math.ceil(spill_fraction * capacity)), n - capacity))
   out, ran = [collective(*(x[:capacity] for x in parts))], {}
-  for name, lo, hi in (("spill", capacity, capacity + spill), ("rest", capacity + spill, n)):
-    if hi <= lo:
+  for name, lo, size in sparse.fallback_rounds(n, capacity, spill_fraction, second=False):
+    if size <= 0:
       continue
-    rest = tuple(x[lo:hi] for x in parts)
+    rest = tuple(x[lo:lo + size] for x in parts)
     go = jax.lax.pmax((count > lo).astype(jnp.int32), uniform_axes)
     empty = lambda rest=rest: tuple(jnp.full((grow * x.shape[0],) + x.shape[1:], -1 if jnp.issubdtype(
         x.dtype, jnp.integer) else 0, x.dtype) for x in rest)  # ids -1 (no row), gradients 0
@@ -191,134 +178,310 @@ def _in_rounds(collective, parts, capacity: int, uniform_axes, count, grow: int 
   return tuple(jnp.concatenate(xs) for xs in zip(*out)), ran
 
 
-def update_tables(rule, p, names, blocks, slots, ids_by_call, cots_by_call, calls, sync_caps, finite, count,
-                  num_rows):
-  """The update stage on one device (module docstring): -> (blocks, slots, table gradient sq-norm, stats).
+# ---- the update stage: one function per layout of a table --------------------------------------------------
 
-  blocks / slots: this device's block of each table and of each of its slots; ids_by_call / cots_by_call:
-  this device's ids and row cotangents per lookup call; sync_caps: per table, the slots of the update's
-  collectives (lookups.sync_capacities; default every id read); finite: the dense side's verdict (loss and
-  dense gradient finite); num_rows: global rows per table.
+@dataclasses.dataclass
+class Merged:
+  """One table's gradient after its layout's merge, on this device: either `grad_VxE` (its block's V x E
+  gradient, for the rule's dense form) or `rows_R` (distinct rows of its block, `rows` past the block in
+  unused slots) with their summed gradients `g_RxE` and `touched_R` (valid, nonzero gradient). `sq`: the
+  table's squared gradient norm (every row counted once over the mesh); `stats`: emb/<table>/... metrics."""
+  sq: jax.Array
+  stats: dict
+  grad_VxE: jax.Array | None = None
+  rows_R: jax.Array | None = None
+  g_RxE: jax.Array | None = None
+  touched_R: jax.Array | None = None
 
-  stats per table: unique (distinct ids per data shard), touched (rows updated) and update_slots (rows the
-  rule reads, valid or not; both summed over a row-sharded table's owners), sync_spill / sync_rest (1
-  if a spill round / a later round of one of its sync collectives ran: named scopes "spill", and "rest",
-  "second", "last_resort"), sync_ideal_bytes (what this device would move if every
-  collective carried exactly its touched rows' ids and gradients, under hlo.py's traffic model; the mean
-  over devices)."""
-  mesh = p.mesh
-  active = spmd.active_axes(mesh)
-  copy_ct = spmd.active_axes(mesh, COPY_AXES)
-  n_ct = math.prod(mesh.shape[a] for a in copy_ct)
-  devices = math.prod(mesh.shape[a] for a in active)
-  mean = lambda x: (jax.lax.psum(x, active) / devices) if active else x
-  merged, sq, stats = {}, jnp.zeros((), jnp.float32), {}
-  for t, name in enumerate(names):
-    mine = [i for i, (table, _) in enumerate(calls) if table == name]
-    if not mine:
-      merged[name] = None
-      continue
-    with jax.named_scope(f"table={name}"):  # op names say whose collective it is (mesh_sweep counts per table)
-      ids_N = jnp.concatenate([ids_by_call[i] for i in mine])
-      g_NxE = jnp.concatenate([cots_by_call[i] for i in mine]).astype(jnp.float32)
-      v, e = num_rows[name], g_NxE.shape[1]
-      caps = sync_caps.get(name, {})
-      own = spmd.active_axes(mesh, p.table_axes.get(name, ()))
-      if not active and dense_rows(v, ids_N.shape[0]):  # one device: a small table takes the scatter-add
-        grad_VxE = _dense_rows(ids_N, g_NxE, v, tuple(calls[i][1] for i in mine))
-        sq = sq + jnp.sum(jnp.square(grad_VxE))
-        hit_V = jnp.zeros((v,), jnp.int32).at[jnp.where((ids_N >= 0) & (ids_N < v), ids_N, v)].add(1, mode="drop")
-        stats[f"emb/{name}/unique"] = jnp.sum(hit_V > 0, dtype=jnp.int32).astype(jnp.float32)
-        stats[f"emb/{name}/touched"] = jnp.sum(jnp.any(grad_VxE != 0, axis=1), dtype=jnp.int32)
-        stats[f"emb/{name}/update_slots"] = jnp.float32(v)
-        merged[name] = ("dense", grad_VxE)
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where one table's rows and copies are on the mesh, as the update stage sees it from one device."""
+  name: str
+  num_rows: int           # global rows V
+  active: tuple           # every mesh axis of size > 1
+  copy_ct: tuple          # context / tensor axes of size > 1 (same data shard, same ids)
+  own: tuple              # axes its rows are sharded over (size > 1)
+  copies: tuple           # data axes holding another copy of its rows (size > 1, not in own)
+  caps: dict              # its sync capacities (lookups.sync_capacities)
+  mesh_shape: dict        # axis -> size
+
+  def size(self, axes) -> int:
+    return math.prod(self.mesh_shape[a] for a in axes)
+
+  def mean(self, x):
+    """The mean over every device (a per-device stat)."""
+    return jax.lax.psum(x, self.active) / self.size(self.active) if self.active else x
+
+
+def _small_table(t: Layout, ids_N, g_NxE, parts) -> Merged:
+  """One device, V <= N (dense_rows): the V x E scatter-add, as the dense path builds it."""
+  v = t.num_rows
+  grad_VxE = _dense_rows(ids_N, g_NxE, v, parts)
+  hit_V = jnp.zeros((v,), jnp.int32).at[jnp.where((ids_N >= 0) & (ids_N < v), ids_N, v)].add(1, mode="drop")
+  stats = {"unique": jnp.sum(hit_V > 0, dtype=jnp.int32).astype(jnp.float32),
+           "touched": jnp.sum(jnp.any(grad_VxE != 0, axis=1), dtype=jnp.int32),
+           "update_slots": jnp.float32(v)}
+  return Merged(jnp.sum(jnp.square(grad_VxE)), stats, grad_VxE=grad_VxE)
+
+
+def _local_rows(t: Layout, uniq_U, g_UxE) -> Merged:
+  """No owner and no copy on a data axis (one device, or copies along context / tensor only, which summed
+  already): the rows merged on this device are the update."""
+  touched_U = (uniq_U < t.num_rows) & jnp.any(g_UxE != 0, axis=1)
+  stats = {"touched": jnp.sum(touched_U, dtype=jnp.int32), "update_slots": jnp.float32(uniq_U.shape[0])}
+  return Merged(jnp.sum(jnp.square(g_UxE)), stats, rows_R=uniq_U, g_RxE=g_UxE, touched_R=touched_U)
+
+
+def _dense_synced(t: Layout, block_shape, ids_M, g_MxE) -> Merged:
+  """A replicated table whose V x E all-reduce over its copies is the cheaper sync (dense_sync)."""
+  v = t.num_rows
+  grad_VxE = jax.lax.psum(jnp.zeros(block_shape, jnp.float32).at[jnp.where(ids_M < v, ids_M, v)].add(
+      g_MxE, mode="drop"), t.copies)
+  stats = {"touched": jnp.sum(jnp.any(grad_VxE != 0, axis=1), dtype=jnp.int32),
+           "update_slots": jnp.float32(block_shape[0])}
+  return Merged(jnp.sum(jnp.square(grad_VxE)), stats, grad_VxE=grad_VxE)
+
+
+def _gathered_rows(t: Layout, ids_M, g_MxE, local_rows: int, rounds: dict) -> tuple[Merged, jax.Array]:
+  """Rows that arrived at their owner (or a replicated table's rows), merged, then all-gathered over the
+  copies on other data axes and merged again, so every copy applies the same sums. -> (merged, the ideal
+  bytes of the gather)."""
+  uniq_R, g_RxE = merge_rows(ids_M, g_MxE, local_rows)
+  uniq_R, g_RxE = uniq_R[:local_rows], g_RxE[:local_rows]  # at most a block's rows are distinct
+  ideal = jnp.zeros((), jnp.float32)
+  if t.copies:
+    n_copies = t.size(t.copies)
+    n_rows = jnp.sum(uniq_R < local_rows, dtype=jnp.int32)
+    ideal = (n_copies - 1) * n_rows.astype(jnp.float32) * (g_RxE.shape[1] + 1) * 4
+    gather = lambda i, g: (jax.lax.all_gather(i, t.copies, axis=0, tiled=True),
+                           jax.lax.all_gather(g, t.copies, axis=0, tiled=True))
+    (ids_G, g_GxE), ran = _in_rounds(gather, (jnp.where(uniq_R < local_rows, uniq_R, -1), g_RxE),
+                                     t.caps.get("received" if t.own else "unique", uniq_R.shape[0]), t.active,
+                                     n_rows, grow=n_copies)
+    rounds["spill"], rounds["rest"] = rounds["spill"] | ran.get("spill", 0), rounds["rest"] | ran.get("rest", 0)
+    uniq_R, g_RxE = merge_rows(ids_G, g_GxE, local_rows)
+  touched_R = (uniq_R < local_rows) & jnp.any(g_RxE != 0, axis=1)
+  # Each owner holds its own rows once; copies computed the same sums.
+  over_owners = (lambda x: jax.lax.psum(x, t.own)) if t.own else (lambda x: x)
+  stats = {"touched": over_owners(jnp.sum(touched_R, dtype=jnp.int32)),
+           "update_slots": over_owners(jnp.float32(uniq_R.shape[0]))}
+  return Merged(over_owners(jnp.sum(jnp.square(g_RxE))), stats, rows_R=uniq_R, g_RxE=g_RxE,
+                touched_R=touched_R), ideal
+
+
+def merge_table(t: Layout, block_shape, ids_N, g_NxE, parts) -> Merged:
+  """One table's row gradients on this device (its lookup calls' ids and cotangents, in call order, `parts`
+  ids each) merged as its layout needs (module docstring). stats: unique (distinct ids per data shard),
+  touched (rows updated), update_slots (rows the rule reads, valid or not; both summed over a row-sharded
+  table's owners) and, on a mesh, sync_spill / sync_rest (1 if a spill round / a later round of one of its
+  sync collectives ran: named scopes "spill", and "rest", "second", "last_resort") and sync_ideal_bytes
+  (what this device would move if every collective carried exactly its touched rows' ids and gradients,
+  under hlo.py's traffic model; the mean over devices)."""
+  v, e = t.num_rows, g_NxE.shape[1]
+  if not t.active and dense_rows(v, ids_N.shape[0]):
+    return _small_table(t, ids_N, g_NxE, parts)
+  uniq_U, g_UxE = merge_rows(ids_N, g_NxE, v, parts)
+  # At most V distinct ids, first in the sorted slots: the rest are always empty.
+  uniq_U, g_UxE = uniq_U[:v], g_UxE[:v]
+  n_unique = jnp.sum(uniq_U < v, dtype=jnp.int32)
+  rounds = {"spill": jnp.zeros((), jnp.int32), "rest": jnp.zeros((), jnp.int32)}
+  ideal = jnp.zeros((), jnp.float32)
+  if t.copy_ct:  # devices along context / tensor read the same ids: sum their rows' gradients
+    (g_UxE,), ran = _in_rounds(lambda g: (jax.lax.psum(g, t.copy_ct),), (g_UxE,),
+                               t.caps.get("unique", ids_N.shape[0]), t.active, n_unique)
+    rounds["spill"], rounds["rest"] = rounds["spill"] | ran.get("spill", 0), rounds["rest"] | ran.get("rest", 0)
+    n_ct = t.size(t.copy_ct)
+    ideal += 2.0 * (n_ct - 1) / n_ct * n_unique.astype(jnp.float32) * e * 4
+  # Per data shard (devices along context / tensor hold the same shard: counted once).
+  unique = t.mean(n_unique.astype(jnp.float32))
+  if t.own:
+    rows_per_owner = v // t.size(t.own)
+    remote = jnp.sum((uniq_U < v) & (uniq_U // rows_per_owner != jax.lax.axis_index(t.own)), dtype=jnp.int32)
+    ids_M, g_MxE, st = sparse.send_to_owners(uniq_U, g_UxE, axes=t.own, num_rows=v,
+                                             capacity=t.caps.get("owner", ids_N.shape[0]), uniform_axes=t.active)
+    rounds["spill"] |= st.get("spill", 0)
+    rounds["rest"] |= functools.reduce(jnp.maximum, [st.get(r, 0) for r in ("second", "last_resort")])
+    ideal += remote.astype(jnp.float32) * (e + 1) * 4
+    local_rows = block_shape[0]
+  else:
+    ids_M, g_MxE, local_rows = uniq_U, g_UxE, v
+  if not t.own and not t.copies:
+    merged = _local_rows(t, uniq_U, g_UxE)
+  elif t.copies and not t.own and dense_sync(v, block_shape[1], ids_N.shape[0], t.size(t.copies)):
+    merged = _dense_synced(t, block_shape, ids_M, g_MxE)
+    ideal += (t.size(t.copies) - 1) * n_unique.astype(jnp.float32) * (e + 1) * 4
+  else:
+    merged, gathered = _gathered_rows(t, ids_M, g_MxE, local_rows, rounds)
+    ideal += gathered
+  merged.stats["unique"] = unique
+  if t.active:
+    merged.stats["sync_spill"] = jax.lax.pmax(rounds["spill"], t.active)
+    merged.stats["sync_rest"] = jax.lax.pmax(rounds["rest"], t.active)
+    merged.stats["sync_ideal_bytes"] = t.mean(ideal)
+  return merged
+
+
+def _dense_rule(rule, block_VxE, slots, grad_VxE, count, finite):
+  """The rule's dense form on a whole block (every row; untouched rows keep their values and slots), all of
+  it kept as it was unless `finite`."""
+  u, out = rule.dense_update(grad_VxE.astype(block_VxE.dtype), slots, count)
+  new_block = jnp.where(finite, (block_VxE + u).astype(block_VxE.dtype), block_VxE)
+  return new_block, tuple(jnp.where(finite, n, o) for n, o in zip(out, slots))
+
+
+def apply_merged(rule, block_VxE, slots, m: Merged, count, finite):
+  """The rule on one table's merged gradient: (new block, new slots); nothing written unless `finite`."""
+  if m.grad_VxE is not None:
+    return _dense_rule(rule, block_VxE, slots, m.grad_VxE, count, finite)
+  return apply_rows(rule, block_VxE, slots, m.rows_R, m.g_RxE.astype(block_VxE.dtype), m.touched_R & finite, count)
+
+
+# ---- the two table updates of the train step -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TableStep:
+  """What a table update gives back to the train step (gem_jax/run/step.py)."""
+  tables: Any             # the new tables: an nnx.State of Table variables, laid out as the state's
+  table_state: Any        # the row rule's new table_optim.TableState
+  sq_norm: jax.Array      # the tables' squared gradient norm (float32)
+  finite: jax.Array       # the step's verdict, the tables' gradient included
+  stats: dict             # emb/<table>/<stat> metrics (the sparse engine's)
+
+
+def _leaves(tree) -> list:
+  # A Variable is a pytree node over its value: a State's leaves are the arrays themselves.
+  return jax.tree_util.tree_leaves(tree)
+
+
+def _like(tree, leaves):
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), leaves)
+
+
+class DenseTables:
+  """train.embedding_update = "dense": the tables are differentiated whole (a V x E gradient each, which JAX's
+  backward sums over the mesh) and every row takes the rule's dense form: the exact reference of the
+  sparse engine."""
+
+  def __init__(self, rule):
+    self.rule = rule
+
+  def calls(self, batch) -> list:
+    return []
+
+  def wrt(self, tables, calls):
+    return tables
+
+  def wrt_specs(self, table_specs, calls):
+    return table_specs
+
+  def read_specs(self, calls) -> list:
+    return []
+
+  def model_tables(self, wrt, tables):
+    return wrt
+
+  def lookup(self, inner, calls, wrt, reads):
+    return inner
+
+  def apply(self, tables, table_state, grads, reads, calls, finite) -> TableStep:
+    sq = squared_norm(grads)
+    finite = finite & jnp.isfinite(sq)
+    blocks, slots = [], [[] for _ in table_state.slots]
+    for t, (block, grad) in enumerate(zip(_leaves(tables), _leaves(grads))):
+      own = tuple(_leaves(s)[t] for s in table_state.slots)
+      block, out = _dense_rule(self.rule, block, own, grad, table_state.count, finite)
+      blocks.append(block)
+      for k, o in enumerate(out):
+        slots[k].append(o)
+    new_state = table_state._replace(slots=tuple(_like(s, leaves) for s, leaves in zip(table_state.slots, slots)),
+                                     count=table_state.count + finite.astype(jnp.int32))
+    return TableStep(_like(tables, blocks), new_state, sq, finite, {})
+
+
+class SparseTables:
+  """train.embedding_update = "sparse": the engine (module docstring). What is differentiated is one zero
+  sink per lookup call (N x E per device), which the lookup adds to the rows it read, so the backward gives
+  each call's row cotangents and nothing of size V; the update merges them per table by its layout and
+  applies the rule to the touched rows only."""
+
+  def __init__(self, rule, plan, tables, sync_capacities: dict, lookup_calls_of: Callable):
+    self.rule, self.plan, self.sync_capacities = rule, plan, dict(sync_capacities)
+    self.lookup_calls_of = lookup_calls_of   # local batch structs -> [LookupCall] (lookups.LookupTrace.calls)
+    self.names = table_names(tables)
+    values = dict(zip(self.names, _leaves(tables)))
+    self.num_rows = {n: int(x.shape[0]) for n, x in values.items()}
+    self.dims = {n: int(x.shape[1]) for n, x in values.items()}
+    self.dtypes = {n: x.dtype for n, x in values.items()}
+    self.device_spec = device_spec(plan.mesh)
+    self.devices = math.prod(plan.mesh.shape[a] for a in spmd.active_axes(plan.mesh))
+
+  def calls(self, batch) -> list[LookupCall]:
+    return self.lookup_calls_of(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch))
+
+  def wrt(self, tables, calls):
+    return [jnp.zeros((self.devices, c.ids, self.dims[c.table]), self.dtypes[c.table]) for c in calls]
+
+  def wrt_specs(self, table_specs, calls):
+    return [self.device_spec] * len(calls)
+
+  def read_specs(self, calls) -> list:
+    return [self.device_spec] * len(calls)
+
+  def model_tables(self, wrt, tables):
+    return tables
+
+  def lookup(self, inner, calls, wrt, reads):
+    return sink_lookup(inner, calls, [s[0] for s in wrt], reads)
+
+  def layout(self, name: str) -> Layout:
+    mesh = self.plan.mesh
+    own = spmd.active_axes(mesh, self.plan.table_axes.get(name, ()))
+    return Layout(name, self.num_rows[name], spmd.active_axes(mesh), spmd.active_axes(mesh, COPY_AXES), own,
+                  tuple(a for a in spmd.active_axes(mesh, DATA_AXES) if a not in own),
+                  self.sync_capacities.get(name, {}), dict(mesh.shape))
+
+  def _update(self, calls, blocks, slots, ids_by_call, cots_by_call, finite, count):
+    """The update stage on one device: -> (blocks, slots, tables' squared norm, finite, stats)."""
+    merged, sq = {}, jnp.zeros((), jnp.float32)
+    for t, name in enumerate(self.names):
+      mine = [i for i, c in enumerate(calls) if c.table == name]
+      if not mine:
         continue
-      uniq_U, g_UxE = _merge_rows(ids_N, g_NxE, v, tuple(calls[i][1] for i in mine))
-      # At most V distinct ids, first in the sorted slots: the rest are always empty.
-      uniq_U, g_UxE = uniq_U[:v], g_UxE[:v]
-      n_unique = jnp.sum(uniq_U < v, dtype=jnp.int32)
-      ran_spill, ran_rest, ideal = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
-      if copy_ct:  # devices along context / tensor read the same ids: sum their rows' gradients
-        (g_UxE,), ran = _in_rounds(lambda g: (jax.lax.psum(g, copy_ct),), (g_UxE,), caps.get("unique", ids_N.shape[0]),
-                                   active, n_unique)
-        ran_spill, ran_rest = ran_spill | ran.get("spill", 0), ran_rest | ran.get("rest", 0)
-        ideal += 2.0 * (n_ct - 1) / n_ct * n_unique.astype(jnp.float32) * e * 4
-      # Per data shard (devices along context / tensor hold the same shard: counted once).
-      stats[f"emb/{name}/unique"] = mean(n_unique.astype(jnp.float32))
-      block = blocks[t]
-      if own:
-        rows_per_owner = v // math.prod(mesh.shape[a] for a in own)
-        valid_U = uniq_U < v
-        remote = jnp.sum(valid_U & (uniq_U // rows_per_owner != jax.lax.axis_index(own)), dtype=jnp.int32)
-        ids_M, g_MxE, st = sparse.send_to_owners(uniq_U, g_UxE, axes=own, num_rows=v,
-                                                 capacity=caps.get("owner", ids_N.shape[0]), uniform_axes=active)
-        ran_spill |= st.get("spill", 0)
-        ran_rest |= functools.reduce(jnp.maximum, [st.get(r, 0) for r in ("second", "last_resort")])
-        ideal += remote.astype(jnp.float32) * (e + 1) * 4
-        local_rows = block.shape[0]
-      else:
-        ids_M, g_MxE, local_rows = uniq_U, g_UxE, v
-      copies = tuple(a for a in spmd.active_axes(mesh, DATA_AXES) if a not in own)
-      n_copies = math.prod(mesh.shape[a] for a in copies)
-      if not own and not copies:  # one device, or a table only context / tensor copies share: merged already
-        touched_U = (uniq_U < v) & jnp.any(g_UxE != 0, axis=1)
-        sq = sq + jnp.sum(jnp.square(g_UxE))
-        stats[f"emb/{name}/touched"] = jnp.sum(touched_U, dtype=jnp.int32)
-        stats[f"emb/{name}/update_slots"] = jnp.float32(uniq_U.shape[0])
-        merged[name] = ("rows", uniq_U, g_UxE, touched_U)
-      elif copies and not own and dense_sync(v, block.shape[1], ids_N.shape[0], n_copies):
-        grad_VxE = jax.lax.psum(jnp.zeros(block.shape, jnp.float32).at[jnp.where(ids_M < v, ids_M, v)].add(
-            g_MxE, mode="drop"), copies)
-        sq = sq + jnp.sum(jnp.square(grad_VxE))
-        ideal += (n_copies - 1) * n_unique.astype(jnp.float32) * (e + 1) * 4
-        stats[f"emb/{name}/touched"] = jnp.sum(jnp.any(grad_VxE != 0, axis=1), dtype=jnp.int32)
-        stats[f"emb/{name}/update_slots"] = jnp.float32(block.shape[0])
-        merged[name] = ("dense", grad_VxE)
-      else:
-        uniq_R, g_RxE = _merge_rows(ids_M, g_MxE, local_rows)
-        uniq_R, g_RxE = uniq_R[:local_rows], g_RxE[:local_rows]  # at most a block's rows are distinct
-        if copies:  # the same table on other data axes: every copy merges every copy's rows
-          n_rows = jnp.sum(uniq_R < local_rows, dtype=jnp.int32)
-          ideal += (n_copies - 1) * n_rows.astype(jnp.float32) * (e + 1) * 4
-          gather = lambda i, g: (jax.lax.all_gather(i, copies, axis=0, tiled=True),
-                                 jax.lax.all_gather(g, copies, axis=0, tiled=True))
-          (ids_G, g_GxE), ran = _in_rounds(gather, (jnp.where(uniq_R < local_rows, uniq_R, -1), g_RxE),
-                                           caps.get("received" if own else "unique", uniq_R.shape[0]), active, n_rows,
-                                           grow=n_copies)
-          ran_spill, ran_rest = ran_spill | ran.get("spill", 0), ran_rest | ran.get("rest", 0)
-          uniq_R, g_RxE = _merge_rows(ids_G, g_GxE, local_rows)
-        touched_R = (uniq_R < local_rows) & jnp.any(g_RxE != 0, axis=1)
-        part_sq = jnp.sum(jnp.square(g_RxE))
-        touched = jnp.sum(touched_R, dtype=jnp.int32)
-        # Each owner holds its own rows once; copies computed the same sums.
-        sq = sq + (jax.lax.psum(part_sq, own) if own else part_sq)
-        stats[f"emb/{name}/touched"] = jax.lax.psum(touched, own) if own else touched
-        slots_R = jnp.float32(uniq_R.shape[0])
-        stats[f"emb/{name}/update_slots"] = jax.lax.psum(slots_R, own) if own else slots_R
-        merged[name] = ("rows", uniq_R, g_RxE, touched_R)
-      if active:
-        stats[f"emb/{name}/sync_spill"] = jax.lax.pmax(ran_spill, active)
-        stats[f"emb/{name}/sync_rest"] = jax.lax.pmax(ran_rest, active)
-        stats[f"emb/{name}/sync_ideal_bytes"] = mean(ideal)
-  finite = finite & jnp.isfinite(sq)
-  new_blocks, new_slots = list(blocks), [list(s) for s in slots]
-  for t, name in enumerate(names):
-    m = merged[name]
-    if m is None:
-      continue
-    own_slots = tuple(s[t] for s in slots)
-    if m[0] == "dense":
-      u, out = rule.dense_update(m[1].astype(blocks[t].dtype), own_slots, count)
-      keep = lambda new, old: jnp.where(finite, new, old)
-      new_blocks[t] = keep((blocks[t] + u).astype(blocks[t].dtype), blocks[t])
-      out = tuple(keep(n, o) for n, o in zip(out, own_slots))
-    else:
-      _, uniq_R, g_RxE, touched_R = m
-      new_blocks[t], out = _apply_rows(rule, blocks[t], own_slots, uniq_R, g_RxE.astype(blocks[t].dtype),
-                                       touched_R & finite, count)
-    for k in range(len(slots)):
-      new_slots[k][t] = out[k]
-  return new_blocks, [list(s) for s in new_slots], sq, finite, stats
+      with jax.named_scope(f"table={name}"):  # op names say whose collective it is (mesh_sweep counts per table)
+        ids_N = jnp.concatenate([ids_by_call[i] for i in mine])
+        g_NxE = jnp.concatenate([cots_by_call[i] for i in mine]).astype(jnp.float32)
+        merged[name] = merge_table(self.layout(name), blocks[t].shape, ids_N, g_NxE, tuple(calls[i].ids for i in mine))
+      sq = sq + merged[name].sq
+    finite = finite & jnp.isfinite(sq)
+    new_blocks, new_slots = list(blocks), [list(s) for s in slots]
+    for t, name in enumerate(self.names):
+      if name in merged:
+        new_blocks[t], out = apply_merged(self.rule, blocks[t], tuple(s[t] for s in slots), merged[name], count,
+                                          finite)
+        for k, o in enumerate(out):
+          new_slots[k][t] = o
+    stats = {f"emb/{name}/{k}": x for name, m in merged.items() for k, x in m.stats.items()}
+    return new_blocks, new_slots, sq, finite, stats
+
+  def apply(self, tables, table_state, grads, reads, calls, finite) -> TableStep:
+    spec_leaves = lambda tree: jax.tree_util.tree_leaves(spmd.step_specs(self.plan, tree),
+                                                         is_leaf=lambda x: isinstance(x, P))
+    block_specs = spec_leaves(tables)
+    slot_specs = [spec_leaves(s) for s in table_state.slots]
+    dev = [self.device_spec] * len(calls)
+    update = jax.shard_map(
+        lambda b, s, i, c, f, k: self._update(calls, b, s, [x[0] for x in i], [x[0] for x in c], f, k),
+        mesh=self.plan.mesh, in_specs=(block_specs, slot_specs, dev, dev, P(), P()),
+        out_specs=(block_specs, slot_specs, P(), P(), P()),
+        # Copies of a block end equal by construction (every copy merges the same rows), which vma types
+        # cannot express: an all-gather's result still counts as varying.
+        check_vma=False)
+    blocks, slots, sq, finite, stats = update(_leaves(tables), [_leaves(s) for s in table_state.slots], reads,
+                                              grads, finite, table_state.count)
+    new_state = table_state._replace(slots=tuple(_like(s, b) for s, b in zip(table_state.slots, slots)),
+                                     count=table_state.count + finite.astype(jnp.int32))
+    return TableStep(_like(tables, blocks), new_state, sq, finite, stats)
 
 
 def row_bytes(params, optimizer, opt_state) -> dict[str, float]:
@@ -337,86 +500,3 @@ def device_spec(mesh) -> P:
   """Arrays with one slice per device (sinks, ids, cotangents): leading dim over every active axis."""
   active = spmd.active_axes(mesh)
   return P(active) if active else P()
-
-
-def make_step(graphdef, rest, optimizer, task, p, state, capacities, sync_capacities, *, global_norm,
-              guarded_keep):
-  """train_step(state, batch) -> (state, metrics) of the sparse engine (module docstring); the same contract
-  as step.make_train_step's dense path."""
-  from gem_jax.run.step import TrainState  # the step module owns the state type
-
-  mesh = p.mesh
-  tables0, dense0 = nnx.split_state(state.params, Table, ...)
-  names = table_names(tables0)
-  values = dict(zip(names, (v.get_value() for v in jax.tree_util.tree_leaves(tables0, is_leaf=_is_var))))
-  num_rows = {n: int(x.shape[0]) for n, x in values.items()}
-  dims = {n: int(x.shape[1]) for n, x in values.items()}
-  dtypes = {n: x.dtype for n, x in values.items()}
-  table_specs, dense_specs = spmd.step_specs(p, tables0), spmd.step_specs(p, dense0)
-  all_specs = spmd.step_specs(p, state.params)
-  dev = device_spec(mesh)
-  devices = math.prod(mesh.shape[a] for a in spmd.active_axes(mesh))
-  batch_spec = spmd.data_spec(mesh)
-  rule = optimizer.rule
-
-  def loss_body(calls, dense, tables, sinks, batch, dropout_rng):
-    stats, recorded = {}, []
-    with spmd.installed(p, capacities, stats):
-      lookup = sink_lookup(runtime.current().lookup, calls, [s[0] for s in sinks], recorded)
-      with runtime.using(lookup=lookup):
-        model = spmd.merge(graphdef, rest, nnx.merge_state(dense, tables), all_specs, mesh)
-        sums = task.sums(model, spmd.local(batch), spmd.device_key(dropout_rng, p))
-    loss, metrics = task.loss({k: spmd.total(v, mesh) for k, v in sums.items()})
-    return loss, ({**metrics, **spmd.stat_metrics(stats, p)}, [ids[None] for ids in recorded])
-
-  def update_body(calls, blocks, slots, ids, cots, finite, count):
-    return update_tables(rule, p, names, blocks, slots, [i[0] for i in ids], [c[0] for c in cots], calls,
-                         sync_capacities, finite, count, num_rows)
-
-  def train_step(st: TrainState, batch):
-    tables, dense = nnx.split_state(st.params, Table, ...)
-    local = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
-    calls = lookup_calls(graphdef, rest, task, st.params, local)
-    sinks = [jnp.zeros((devices, n, dims[t]), dtypes[t]) for t, n in calls]
-    sharded = jax.shard_map(lambda d, t, s, b, r: loss_body(calls, d, t, s, b, r), mesh=mesh,
-                            in_specs=(dense_specs, table_specs, [dev] * len(calls), batch_spec, P()),
-                            out_specs=(P(), (P(), [dev] * len(calls))))
-    dropout_rng = jax.random.fold_in(st.rng, st.step)
-    (loss, (aux, ids)), (g_dense, g_sinks) = jax.value_and_grad(sharded, argnums=(0, 2), has_aux=True)(
-        dense, tables, sinks, batch, dropout_rng)
-    dense_sq = jnp.square(global_norm(g_dense))
-    finite = jnp.isfinite(loss) & jnp.isfinite(dense_sq)
-    table_state = optimizer.table_state(st.opt_state)
-    flat_blocks = [v.get_value() for v in jax.tree_util.tree_leaves(tables, is_leaf=_is_var)]
-    slot_leaves = [jax.tree_util.tree_leaves(s, is_leaf=_is_var) for s in table_state.slots]
-    flat_slots = [[v.get_value() for v in leaves] for leaves in slot_leaves]
-    block_specs = jax.tree_util.tree_leaves(table_specs, is_leaf=lambda x: isinstance(x, P))
-    slot_specs = [jax.tree_util.tree_leaves(spmd.step_specs(p, s), is_leaf=lambda x: isinstance(x, P))
-                  for s in table_state.slots]
-    update = jax.shard_map(lambda b, s, i, c, f, k: update_body(calls, b, s, i, c, f, k), mesh=mesh,
-                           in_specs=(block_specs, slot_specs, [dev] * len(calls), [dev] * len(calls), P(), P()),
-                           out_specs=(block_specs, slot_specs, P(), P(), P()),
-                           # Copies of a block end equal by construction (every copy merges the same rows),
-                           # which vma types cannot express: an all-gather's result still counts as varying.
-                           check_vma=False)
-    with jax.named_scope("embedding_update"):  # HLO op names say which collectives the update runs
-      blocks, slots, table_sq, finite, stats = update(flat_blocks, flat_slots, ids, g_sinks, finite,
-                                                       table_state.count)
-    # Dense side: optax on the dense gradients only (table leaves are masked out, whatever they hold).
-    updates, dense_state = optimizer.dense.update(nnx.merge_state(g_dense, tables),
-                                                  optimizer.dense_state(st.opt_state), st.params)
-    _, dense_updates = nnx.split_state(updates, Table, ...)
-    new_dense = guarded_keep(finite, optax.apply_updates(dense, dense_updates), dense)
-    dense_state = guarded_keep(finite, dense_state, optimizer.dense_state(st.opt_state))
-    # A Variable is a pytree node over its value: the structures' leaves are the arrays themselves.
-    new_tables = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tables), blocks)
-    new_slots = tuple(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(s), bs)
-                      for s, bs in zip(table_state.slots, slots))
-    new_table_state = table_state._replace(slots=new_slots, count=table_state.count + finite.astype(jnp.int32))
-    opt_state = optimizer.with_parts(st.opt_state, dense_state, new_table_state)
-    params = nnx.merge_state(new_dense, new_tables)
-    metrics = {"loss": loss, "grad_norm": jnp.sqrt(dense_sq + table_sq), "nonfinite": (~finite).astype(jnp.int32),
-               **aux, **stats}
-    return TrainState(params, opt_state, st.step + 1, st.rng), metrics
-
-  return train_step
