@@ -104,11 +104,7 @@ class Jagged:
     on device: tokens past the capacity would be dropped, so the host validates lengths first)."""
     B, N = dense_BxN.shape[:2]
     lengths_B = jnp.minimum(jnp.asarray(lengths_B, jnp.int32), N)
-    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths_B, dtype=jnp.int32)])
-    t = jnp.arange(capacity, dtype=jnp.int32)
-    seg = segment_ids(offsets, capacity)
-    valid = t < offsets[-1]
-    row = jnp.minimum(seg, B - 1)
+    offsets, t, valid, row = _packed(lengths_B, capacity, B)
     pos = jnp.where(valid, t - offsets[row], 0)
     values = dense_BxN[row, pos]
     mask = valid.reshape((capacity,) + (1,) * (dense_BxN.ndim - 2))
@@ -208,13 +204,19 @@ def keep_last(x: Jagged, k: int, capacity: int | None = None) -> Jagged:
   return _gather_rows(x, x.offsets[1:] - kept, kept, cap)
 
 
-def _gather_rows(x: Jagged, starts_B, lengths_B, capacity: int) -> Jagged:
-  """New jagged array whose row r is x.values[starts[r] : starts[r] + lengths[r]]."""
+def _packed(lengths_B, capacity: int, batch_size: int):
+  """Rows of lengths_B packed from slot 0 into `capacity` slots: (offsets, each slot's index, whether it holds
+  a token, its row, the last row for a padding slot)."""
   offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths_B, dtype=jnp.int32)])
   t = jnp.arange(capacity, dtype=jnp.int32)
-  seg = segment_ids(offsets, capacity)
   valid = t < offsets[-1]
-  row = jnp.minimum(seg, x.batch_size - 1)
+  row = jnp.minimum(segment_ids(offsets, capacity), batch_size - 1)
+  return offsets, t, valid, row
+
+
+def _gather_rows(x: Jagged, starts_B, lengths_B, capacity: int) -> Jagged:
+  """New jagged array whose row r is x.values[starts[r] : starts[r] + lengths[r]]."""
+  offsets, t, valid, row = _packed(lengths_B, capacity, x.batch_size)
   src = jnp.clip(starts_B[row] + t - offsets[row], 0, max(x.capacity - 1, 0))
   if x.capacity == 0:
     values = jnp.zeros((capacity,) + x.feature_shape, x.values.dtype)

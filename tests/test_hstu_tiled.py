@@ -104,7 +104,7 @@ def _coverage(offsets_Bp1, n, kwargs):
   """(covered_BxNxN bool from the tile list, n_tiles, tile capacity, unclamped tile count)."""
   num_rows = offsets_Bp1.shape[0] - 1
   targets = kwargs.get("num_targets")
-  s = tiled._Static(n, 1.0, kwargs.get("causal", True), targets is not None, kwargs.get("max_attn_len", 0),
+  s = tiled.Static(n, 1.0, kwargs.get("causal", True), targets is not None, kwargs.get("max_attn_len", 0),
                     kwargs.get("contextual_seq_len", 0), BLOCK, False)
   cap = tiled.tile_capacity(int(offsets_Bp1[-1]), num_rows, s)
   targets_B = tiled._targets(targets, num_rows)
@@ -138,7 +138,7 @@ def test_tile_capacity_bounds_worst_case_offsets(kwargs):
   for lengths in ([32, 32, 32, 4, 0], [1] * 5, [32, 32, 9, 9, 9], [0, 0, 0, 0, 100]):
     lengths = np.minimum(lengths, n)
     offsets_Bp1 = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-    s = tiled._Static(n, 1.0, kwargs.get("causal", True), False, 0, kwargs.get("contextual_seq_len", 0),
+    s = tiled.Static(n, 1.0, kwargs.get("causal", True), False, 0, kwargs.get("contextual_seq_len", 0),
                       BLOCK, False)
     cap = tiled.tile_capacity(capacity, len(lengths), s)
     _, count = tiled._tiles(offsets_Bp1, jnp.zeros(len(lengths), jnp.int32), cap * 4, s)

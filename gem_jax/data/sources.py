@@ -31,6 +31,8 @@ the public next-item datasets gem_jax/data/seqrec_source.py.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Iterator, Protocol
+
 import numpy as np
 
 from gem_jax.data import pipeline, shards
@@ -44,7 +46,26 @@ _SOURCES = Registry("data source")
 register, names = _SOURCES.register, _SOURCES.names
 
 
-def make(cfg):
+class Source(Protocol):
+  """What build(cfg) and the trainer read a run's batches through (module docstring)."""
+  name: str
+  batch_size: int
+  eval_splits: tuple[str, ...]
+
+  def train_iterator(self) -> Iterator: ...
+  def eval_batches(self, split: str) -> list: ...
+  def first_batch(self) -> Any: ...
+  def sample(self, rows: int, index: int = 0) -> Any: ...
+  def shard(self, batch, num_shards: int) -> Any: ...
+  def lengths(self, batch, real: bool = True) -> np.ndarray: ...
+  def max_length(self) -> int: ...
+  def row_batch(self, n: int) -> Any: ...
+  def steps_per_epoch(self) -> int | None: ...
+  def stats(self, num_examples: int = 65536) -> dict: ...
+  def counters(self) -> dict[str, int]: ...
+
+
+def make(cfg) -> Source:
   """The source of a run config (its cfg.data picks the class; the whole cfg is passed for the rest)."""
   return _SOURCES.lookup(cfg.data)(cfg)
 

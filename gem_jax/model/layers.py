@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax import runtime
+from gem_jax import runtime, scopes
 from gem_jax.model.config import ModelConfig
 from gem_jax.precision import fp8, policy
 
@@ -37,7 +37,7 @@ def tensor_sum(x):
   fn = runtime.current().tensor_sum
   if fn is None:
     return x
-  with jax.named_scope("tensor_parallel"):
+  with jax.named_scope(scopes.TENSOR_PARALLEL):
     return fn(x)
 
 

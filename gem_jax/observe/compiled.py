@@ -39,24 +39,31 @@ _FP8_TARGETS = ("__cublas$lt$matmul$f8",)
 _FP8_PALLAS = ("fp8_mx_gemm", "fp8_scaled_gemm")
 
 
+_ATTRS = {"target": r'custom_call_target="([^"]*)"', "kind": r'"kind":"([^"]*)"', "name": r'\bname = "([^"]*)"',
+          "op_name": r'op_name="((?:[^"\\]|\\.)*)"'}
+
+
+def _attr(instr: hlo.Instr, which: str, default: str = "") -> str:
+  """One attribute of an instruction's text: its custom-call target, backend-config kind, Triton kernel name
+  or op_name metadata (`default` when it has none)."""
+  m = re.search(_ATTRS[which], instr.attrs)
+  return m.group(1) if m else default
+
+
 def _target(instr: hlo.Instr) -> str:
-  m = re.search(r'custom_call_target="([^"]*)"', instr.attrs)
-  return m.group(1) if m else ""
+  return _attr(instr, "target")
 
 
 def _backend_kind(instr: hlo.Instr) -> str:
-  m = re.search(r'"kind":"([^"]*)"', instr.attrs)
-  return m.group(1) if m else ""
+  return _attr(instr, "kind")
 
 
 def _triton_name(instr: hlo.Instr) -> str:
-  m = re.search(r'\bname = "([^"]*)"', instr.attrs)
-  return m.group(1) if m else instr.name
+  return _attr(instr, "name", instr.name)
 
 
 def _op_name(instr: hlo.Instr) -> str:
-  m = re.search(r'op_name="((?:[^"\\]|\\.)*)"', instr.attrs)
-  return m.group(1) if m else ""
+  return _attr(instr, "op_name")
 
 
 def _mosaic_name(instr: hlo.Instr) -> str:

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from gem_jax import scopes
 from gem_jax.observe import hlo
 
-SCOPE = "embedding_update"
+SCOPE = scopes.EMBEDDING_UPDATE
 
 
 def _mean(stats: list[dict], key: str) -> float:
@@ -39,8 +40,8 @@ def account(colls: list, stats: list[dict], row_bytes: dict[str, float]) -> dict
   def charge(c) -> float:
     if not c.conditional:
       return 1.0
-    kind = "spill" if "/spill/" in c.op_name else "rest"
-    owners = [t for t in tables if f"table={t}/" in c.op_name]
+    kind = scopes.SPILL if scopes.in_round(c.op_name, scopes.SPILL) else scopes.REST
+    owners = [t for t in tables if scopes.in_table(c.op_name, t)]
     return max((rates[t][kind] for t in owners), default=1.0)  # unknown owner: as if it always ran
 
   by_axis: dict[str, float] = {}

@@ -28,11 +28,12 @@ import time
 import jax
 import numpy as np
 
+from gem_jax import scopes
 from gem_jax.config import apply_overrides
 from gem_jax.observe import embedding_update, hlo
 from gem_jax.parallel import mesh as mesh_lib
 from gem_jax.parallel import placement
-from gem_jax.parallel import sparse
+from gem_jax.parallel import lookups, sparse
 from gem_jax.parallel.rules import DATA_AXES
 from gem_jax.run import table_update
 from gem_jax.run.build import build
@@ -65,26 +66,26 @@ def sweep_one(path: str, cfg, batches, *, capacity_slack: float = 1.05, capacity
     losses.append(float(metrics["loss"]))
     stats.append({k: float(v) for k, v in metrics.items() if k.startswith("emb/")})
 
-  lookup = hlo.select(colls, op_name_contains="embedding_lookup")
+  lookup = hlo.select(colls, op_name_contains=scopes.EMBEDDING_LOOKUP)
   fwd = [c for c in lookup if "transpose(" not in c.op_name and not c.conditional]
   bwd = [c for c in lookup if "transpose(" in c.op_name and not c.conditional]
-  tensor_parallel = hlo.select(colls, op_name_contains="tensor_parallel")
-  context_parallel = hlo.select(colls, op_name_contains="context_parallel")
+  tensor_parallel = hlo.select(colls, op_name_contains=scopes.TENSOR_PARALLEL)
+  context_parallel = hlo.select(colls, op_name_contains=scopes.CONTEXT_PARALLEL)
   # The sparse engine's row-gradient sync (gem_jax/run/table_update.py): apart from parameter traffic.
-  table_sync = hlo.select(colls, op_name_contains="embedding_update")
+  table_sync = hlo.select(colls, op_name_contains=scopes.EMBEDDING_UPDATE)
   other = [c for c in colls if c not in lookup and c not in tensor_parallel and c not in context_parallel
            and c not in table_sync]
   params_like = [c for c in other if not _is_scalar_collective(c)]
   # Lookup calls ("table/N"), each with its table's row width.
-  calls = {c: spec.table(c.rsplit("/", 1)[0]).dim for c in run.capacities}
+  calls = {c: spec.table(lookups.table_of(c)).dim for c in run.capacities}
   moved = lambda cs: sum(c.moved_bytes * c.count for c in cs)
   forward = lambda cs: [c for c in cs if "transpose(" not in c.op_name]
-  rounds = ("spill", "second", "last_resort")
-  fallback = {r: [c for c in lookup if c.conditional and f"/{r}/" in c.op_name] for r in rounds}
+  rounds = (scopes.SPILL, scopes.SECOND, scopes.LAST_RESORT)
+  fallback = {r: [c for c in lookup if c.conditional and scopes.in_round(c.op_name, r)] for r in rounds}
   ran = {c: {r: sum(1 for s in stats if s.get(f"emb/{c}/{r}", 0) > 0) / max(len(stats), 1) for r in rounds}
          for c in calls}
   # Fallback rounds are charged, per call, on the fraction of steps they ran.
-  fallback_fwd = {r: sum(ran[c][r] * moved([x for x in forward(fallback[r]) if f"table={c}/" in x.op_name])
+  fallback_fwd = {r: sum(ran[c][r] * moved([x for x in forward(fallback[r]) if scopes.in_table(x.op_name, c)])
                          for c in calls) for r in rounds}
   overflow_steps = sum(1 for s in stats if any(s.get(f"emb/{c}/overflow", 0) > 0 for c in calls))
   ideal = float(np.mean([sum(sparse.ideal_bytes(s.get(f"emb/{c}/remote_unique", 0.0), e) for c, e in calls.items())
@@ -111,7 +112,7 @@ def sweep_one(path: str, cfg, batches, *, capacity_slack: float = 1.05, capacity
       # every step (a block's gradient on the dense path; touched rows' slots with the sparse engine).
       "largest_sync_array_bytes": {
           t: max([c.array_bytes for c in colls if c.kind in ("all-reduce", "all-gather") and not c.conditional
-                  and set(c.axes) & set(DATA_AXES) and f"table={t}/" in c.op_name], default=0)
+                  and set(c.axes) & set(DATA_AXES) and scopes.in_table(c.op_name, t)], default=0)
           for t in run.plan.table_axes},
       "capacities": run.capacities,
       "comm": {

@@ -290,7 +290,7 @@ def tables_of(shapes: sim_lib.ModelShapes) -> dict[str, tuple[int, float]]:
   out = {}
   for path, var in jax.tree_util.tree_leaves_with_path(shapes.params, is_leaf=placement.is_variable):
     if isinstance(var, embeddings_lib.Table):
-      w = sim_lib._nbytes(var.get_value())
+      w = sim_lib.nbytes(var.get_value())
       if w > placement.REPLICATE_TABLE_BYTES:
         out[str(placement.path_names(path)[-1])] = (int(var.get_value().shape[0]), w)
   return out

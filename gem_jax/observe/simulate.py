@@ -110,7 +110,7 @@ def _capacity(uniq: list[np.ndarray], ids: int, num_rows: int, owners: int, shar
     return sparse.capacity_for(uniq[:shards], num_rows, owners, slack, multiple=1)
   mu = float(np.mean([u.size for u in uniq])) / owners
   worst = mu + math.sqrt(2.0 * math.log(max(owners * shards, 2)) * mu)
-  return int(max(1, min(ids, math.ceil(round(slack * worst, 9)))))
+  return sparse.round_capacity(worst, slack, at_most=ids)
 
 
 def _bucket(tokens: float, batch: int, pipeline, spec) -> int:
@@ -146,7 +146,7 @@ class _Comm:
     return {"by_kind": by_kind, "by_axis": by_axis, "total": float(sum(by_kind.values()))}
 
 
-def _nbytes(x) -> float:
+def nbytes(x) -> float:
   return float(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
 
 
@@ -157,7 +157,7 @@ def _shard_bytes(tree, specs, shape) -> float:
   for leaf, spec in zip(leaves, spec_leaves):
     for arr in jax.tree_util.tree_leaves(leaf.get_value() if placement.is_variable(leaf) else leaf):
       own = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
-      total += _nbytes(arr) / math.prod(shape[a] for a in own)
+      total += nbytes(arr) / math.prod(shape[a] for a in own)
   return total
 
 
@@ -219,7 +219,7 @@ class ModelShapes:
       valid = lambda x, v: np.unique(x[(x >= 0) & (x < v)])
       calls, by_table = [], {}
       for key, ids_SxN in self.lookups(rows):
-        table = key.rsplit("/", 1)[0]
+        table = lookups.table_of(key)
         v = spec.table(table).vocab_size
         ids_SxN = np.asarray(ids_SxN).reshape(len(ids_SxN), -1)
         calls.append((key, [valid(row, v) for row in ids_SxN], ids_SxN.shape[1]))
@@ -275,7 +275,7 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
   specs = p.tree_specs(params)
   spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   for var, ps in zip(jax.tree_util.tree_leaves(params, is_leaf=placement.is_variable), spec_leaves):
-    w = _nbytes(var.get_value())
+    w = nbytes(var.get_value())
     own = {a for e in ps if e is not None for a in ((e,) if isinstance(e, str) else e)}
     n_s = math.prod(shape[a] for a in own)
     rest = [a for a in MESH_AXES if a not in own]
@@ -302,7 +302,7 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
   capacities = {}
   call_uniques, table_uniques = shapes.uniques(b)
   for key, uniq, n in call_uniques:
-    table = key.rsplit("/", 1)[0]
+    table = lookups.table_of(key)
     axes = p.table_axes.get(table, ())
     if axes:
       owners = math.prod(shape[a] for a in axes)
@@ -310,7 +310,7 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
       capacities[key] = max(c, capacities.get(key, 0))
   n_hist = min(cap, b * keep[0])
   for key, c in capacities.items():
-    table = key.rsplit("/", 1)[0]
+    table = lookups.table_of(key)
     axes = p.table_axes[table]
     owners = math.prod(shape[a] for a in axes)
     row = owners * c * spec.table(table).dim * np.dtype(model_cfg.params_dtype).itemsize
@@ -368,7 +368,7 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
   # Memory per device.
   opt_state = shapes.opt_state
   param_bytes = _shard_bytes(params, specs, shape)
-  dense_full = sum(_nbytes(v.get_value()) / (t if placement.TP_AXIS in str(ps) else 1)
+  dense_full = sum(nbytes(v.get_value()) / (t if placement.TP_AXIS in str(ps) else 1)
                    for v, ps in zip(jax.tree_util.tree_leaves(params, is_leaf=placement.is_variable), spec_leaves)
                    if not isinstance(v, placement.embeddings_lib.Table))
   hist_dims = sum(spec.table(fld.table).dim for fld in spec.sequence.fields)

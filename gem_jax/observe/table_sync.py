@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from gem_jax.parallel import sparse
 from gem_jax.parallel.rules import DATA_AXES
 from gem_jax.run.table_update import COPY_AXES, dense_sync
 
@@ -21,7 +22,7 @@ def _worst(counts: list[int], groups: int, slack: float, cap: int) -> int:
   else:
     mu = float(np.mean(counts))
     worst = mu + math.sqrt(2.0 * math.log(max(groups, 2)) * mu)
-  return int(max(1, min(cap, math.ceil(round(slack * worst, 9)))))
+  return sparse.round_capacity(worst, slack, at_most=cap)
 
 
 def _received(uniq: list[np.ndarray], rows: int, owners: int) -> list[int]:

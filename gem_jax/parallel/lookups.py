@@ -40,8 +40,13 @@ class LookupCall:
 
   @property
   def key(self) -> str:
-    """How capacities and stats name the call ("table/N"; gem_jax/parallel/spmd.py keys it the same)."""
+    """How capacities and stats name the call: "table/N" (table_of reads the table back)."""
     return f"{self.table}/{self.ids}"
+
+
+def table_of(call_key: str) -> str:
+  """The table of a lookup call's key (LookupCall.key)."""
+  return call_key.rsplit("/", 1)[0]
 
 
 class _Recorder:
@@ -110,7 +115,7 @@ def capacities(calls: list[tuple[str, np.ndarray]], plan, vocab_of, slack: float
   (sparse.capacity_for), the largest over calls that share a key. vocab_of(table) -> rows of the table."""
   out: dict[str, int] = {}
   for key, ids_SxN in calls:
-    table = key.rsplit("/", 1)[0]
+    table = table_of(key)
     axes = plan.table_axes.get(table, ())
     if not axes:
       continue
@@ -131,11 +136,11 @@ def sync_capacities(calls: list[tuple[str, np.ndarray]], plan, vocab_of, slack: 
   Data shards are numbered row-major over the mesh's data axes of size > 1 (spmd.data_spec)."""
   by_table: dict[str, list[np.ndarray]] = {}
   for key, ids_SxN in calls:
-    by_table.setdefault(key.rsplit("/", 1)[0], []).append(np.asarray(ids_SxN).reshape(len(ids_SxN), -1))
+    by_table.setdefault(table_of(key), []).append(np.asarray(ids_SxN).reshape(len(ids_SxN), -1))
   shape = plan.mesh.shape
   data = [a for a in DATA_AXES if shape[a] > 1]
   grid = [shape[a] for a in data]
-  round_up = lambda worst: -(-max(1, math.ceil(round(slack * worst, 9))) // multiple) * multiple
+  round_up = lambda worst: sparse.round_capacity(worst, slack, multiple)
   out = {}
   for table, parts in by_table.items():
     v = vocab_of(table)

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gem_jax import scopes
+
 _PAD = -1  # marks an empty slot of a send buffer
 
 
@@ -53,11 +55,24 @@ def fallback_rounds(n: int, capacity: int, spill_fraction: float = 0.125,
   capacity = int(min(max(1, capacity), n))
   spill = int(min(max(1, math.ceil(spill_fraction * capacity)), n - capacity))
   again = int(min(capacity, n - capacity - spill)) if second else 0
-  rounds = [("spill", capacity, spill)]
+  rounds = [(scopes.SPILL, capacity, spill)]
   if second:
-    rounds.append(("second", capacity + spill, again))
-  rounds.append(("last_resort" if second else "rest", capacity + spill + again, n - capacity - spill - again))
+    rounds.append((scopes.SECOND, capacity + spill, again))
+  rounds.append((scopes.LAST_RESORT if second else scopes.REST, capacity + spill + again,
+                 n - capacity - spill - again))
   return rounds
+
+
+def _buckets(ids_U, num_rows: int, rows_per_shard: int):
+  """Owner buckets of sorted distinct ids (invalid ones, < 0 or >= num_rows, last): (valid, owner shard,
+  row inside the owner's block (_PAD if invalid), slot in the owner's bucket)."""
+  valid_U = (ids_U >= 0) & (ids_U < num_rows)
+  owner_U = jnp.where(valid_U, ids_U // rows_per_shard, 0)
+  local_U = jnp.where(valid_U, ids_U - owner_U * rows_per_shard, _PAD)
+  # Owners are sorted, so an id's rank in its bucket is its distance from the bucket's first id.
+  start_U = jnp.searchsorted(ids_U, owner_U * rows_per_shard, side="left")
+  slot_U = jnp.arange(ids_U.shape[0], dtype=jnp.int32) - start_U.astype(jnp.int32)
+  return valid_U, owner_U, local_U, slot_U
 
 
 def _exchange(table_VlxE, local_U, owner_U, slot_U, send_U, *, axes, num_shards, capacity):
@@ -80,6 +95,27 @@ def _exchange(table_VlxE, local_U, owner_U, slot_U, send_U, *, axes, num_shards,
   return jnp.where(send_U[:, None], rows_UxE, jnp.zeros((), table_VlxE.dtype))
 
 
+def _check_lookup(table_VlxE, axes, uniform_axes, num_rows: int, capacity) -> tuple[int, int]:
+  """sharded_lookup's arguments checked: -> (shards of the table, rows per shard)."""
+  if table_VlxE.ndim != 2:
+    raise ValueError(f"sharded_lookup: table block must be Vl x E, got shape {table_VlxE.shape}")
+  missing = [a for a in axes if a not in uniform_axes]
+  if missing:
+    raise ValueError(f"sharded_lookup: uniform_axes {uniform_axes} must include the table axes {axes}; "
+                     f"missing {missing} (devices of one all_to_all group could take different branches)")
+  if not isinstance(capacity, (int, np.integer)) or capacity < 1:
+    raise ValueError(f"sharded_lookup: capacity must be an int >= 1, got {capacity!r}")
+  num_shards = jax.lax.axis_size(axes)
+  if num_rows % num_shards:
+    raise ValueError(f"sharded_lookup: num_rows={num_rows} is not divisible by the {num_shards} shards "
+                     f"of axes {axes}")
+  rows_per_shard = num_rows // num_shards
+  if table_VlxE.shape[0] != rows_per_shard:
+    raise ValueError(f"sharded_lookup: table block has {table_VlxE.shape[0]} rows, expected "
+                     f"num_rows / shards = {num_rows} / {num_shards} = {rows_per_shard}")
+  return num_shards, rows_per_shard
+
+
 def sharded_lookup(table_VlxE: jax.Array, ids: jax.Array, *, axes: str | Sequence[str], num_rows: int,
                    capacity: int, uniform_axes: Sequence[str],
                    spill_fraction: float = 0.125) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -98,26 +134,10 @@ def sharded_lookup(table_VlxE: jax.Array, ids: jax.Array, *, axes: str | Sequenc
   "overflow" (1 if any fallback round ran), "spill" / "second" / "last_resort" (1 if that round ran),
   "remote_unique" (distinct valid ids owned by another shard).
   """
-  axes = _as_axes(axes)
-  uniform_axes = _as_axes(uniform_axes)
-  if table_VlxE.ndim != 2:
-    raise ValueError(f"sharded_lookup: table block must be Vl x E, got shape {table_VlxE.shape}")
-  missing = [a for a in axes if a not in uniform_axes]
-  if missing:
-    raise ValueError(f"sharded_lookup: uniform_axes {uniform_axes} must include the table axes {axes}; "
-                     f"missing {missing} (devices of one all_to_all group could take different branches)")
-  if not isinstance(capacity, (int, np.integer)) or capacity < 1:
-    raise ValueError(f"sharded_lookup: capacity must be an int >= 1, got {capacity!r}")
-  num_shards = jax.lax.axis_size(axes)
-  if num_rows % num_shards:
-    raise ValueError(f"sharded_lookup: num_rows={num_rows} is not divisible by the {num_shards} shards "
-                     f"of axes {axes}")
-  rows_per_shard = num_rows // num_shards
-  if table_VlxE.shape[0] != rows_per_shard:
-    raise ValueError(f"sharded_lookup: table block has {table_VlxE.shape[0]} rows, expected "
-                     f"num_rows / shards = {num_rows} / {num_shards} = {rows_per_shard}")
+  axes, uniform_axes = _as_axes(axes), _as_axes(uniform_axes)
+  num_shards, rows_per_shard = _check_lookup(table_VlxE, axes, uniform_axes, num_rows, capacity)
 
-  with jax.named_scope("embedding_lookup"):
+  with jax.named_scope(scopes.EMBEDDING_LOOKUP):
     ids_N = jnp.reshape(ids, (-1,)).astype(jnp.int32)
     n = ids_N.shape[0]
     # No bucket can hold more than N unique ids, so a larger capacity only pads the wire.
@@ -127,12 +147,7 @@ def sharded_lookup(table_VlxE: jax.Array, ids: jax.Array, *, axes: str | Sequenc
     uniq_U, inv_N = jnp.unique(jnp.where(valid_N, ids_N, num_rows), size=n, fill_value=num_rows,
                                return_inverse=True)
     inv_N = jnp.reshape(inv_N, (n,))
-    valid_U = uniq_U < num_rows
-    owner_U = jnp.where(valid_U, uniq_U // rows_per_shard, 0)
-    local_U = uniq_U - owner_U * rows_per_shard
-    # Owners are sorted, so an id's rank in its bucket is its distance from the bucket's first id.
-    start_U = jnp.searchsorted(uniq_U, owner_U * rows_per_shard, side="left")
-    slot_U = jnp.arange(n, dtype=jnp.int32) - start_U.astype(jnp.int32)
+    valid_U, owner_U, local_U, slot_U = _buckets(uniq_U, num_rows, rows_per_shard)
     count_P = jnp.zeros((num_shards,), jnp.int32).at[owner_U].add(valid_U.astype(jnp.int32))
     me = jax.lax.axis_index(axes)
 
@@ -197,12 +212,8 @@ def send_to_owners(ids_U: jax.Array, values_UxE: jax.Array, *, axes: str | Seque
   rows_per_shard = num_rows // num_shards
   n = ids_U.shape[0]
   capacity = int(min(max(1, capacity), n))
-  with jax.named_scope("embedding_grad_to_owner"):
-    valid_U = (ids_U >= 0) & (ids_U < num_rows)
-    owner_U = jnp.where(valid_U, ids_U // rows_per_shard, 0)
-    local_U = jnp.where(valid_U, ids_U - owner_U * rows_per_shard, _PAD)
-    start_U = jnp.searchsorted(ids_U, owner_U * rows_per_shard, side="left")
-    slot_U = jnp.arange(n, dtype=jnp.int32) - start_U.astype(jnp.int32)
+  with jax.named_scope(scopes.GRAD_TO_OWNER):
+    valid_U, owner_U, local_U, slot_U = _buckets(ids_U, num_rows, rows_per_shard)
 
     def send(send_U, slot_U, size):
       dest_U = jnp.where(send_U, owner_U, num_shards)
@@ -254,9 +265,17 @@ def capacity_for(ids_per_shard: Sequence[np.ndarray], num_rows: int, num_shards:
     uniq = np.unique(ids[(ids >= 0) & (ids < num_rows)])
     if uniq.size:
       worst = max(worst, int(np.bincount(uniq // rows_per_shard, minlength=num_shards).max()))
+  return round_capacity(worst, slack, multiple)
+
+
+def round_capacity(worst: float, slack: float, multiple: int = 1, at_most: int | None = None) -> int:
+  """slack x `worst` slots rounded up to a multiple of `multiple` (at least 1, at most `at_most`): how every
+  capacity of the lookups and the sparse engine is sized from the worst count it must hold."""
   # Round before ceil so 1.1 * 10 = 11.000000000000002 asks for 11, not 12.
   need = max(1, math.ceil(round(slack * worst, 9)))
-  return -(-need // multiple) * multiple
+  if at_most is not None:
+    need = max(1, min(at_most, need))
+  return int(-(-need // multiple) * multiple)
 
 
 def ideal_bytes(remote_unique, dim: int, id_bytes: int = 4, row_bytes_per_elem: int = 4):

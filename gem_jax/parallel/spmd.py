@@ -42,9 +42,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from gem_jax import runtime
+from gem_jax import runtime, scopes
 from gem_jax.model import embeddings as embeddings_lib
-from gem_jax.parallel import sparse
+from gem_jax.parallel import lookups, sparse
 from gem_jax.parallel import target as target_lib
 from gem_jax.parallel.placement import TP_AXIS, Placement
 from gem_jax.parallel.rules import DATA_AXES, MESH_AXES
@@ -112,8 +112,8 @@ def _lookup_fn(placed: Placement, capacities: dict[str, int], stats: dict):
     flat = ids.reshape(-1)
     num_rows = rows_VlxE.shape[0] * math.prod(placed.mesh.shape[a] for a in axes)
     # Sized per (table, ids per call) from the trace (parallel/lookups.py); an unknown call gets room for all its ids.
-    call = f"{table}/{flat.shape[0]}"  # a lookup call: its table and how many ids it reads
-    with jax.named_scope(f"table={call}"):  # HLO op names say which call a collective serves
+    call = lookups.LookupCall(table, flat.shape[0]).key  # a lookup call: its table and how many ids it reads
+    with jax.named_scope(scopes.table(call)):  # HLO op names say which call a collective serves
       rows_NxE, st = sparse.sharded_lookup(rows_VlxE, flat, axes=axes, num_rows=num_rows,
                                            capacity=capacities.get(call, flat.shape[0]), uniform_axes=active)
     stats.setdefault(call, []).append(st)
@@ -135,7 +135,7 @@ def _context(mesh) -> runtime.ContextParallel:
   """Token slices over the context axis (a no-op for the model when the axis has size 1)."""
 
   def gather(x):
-    with jax.named_scope("context_parallel"):
+    with jax.named_scope(scopes.CONTEXT_PARALLEL):
       return jax.lax.all_gather(x, CP_AXIS, axis=0, tiled=True)
 
   return runtime.ContextParallel(mesh.shape[CP_AXIS], lambda: jax.lax.axis_index(CP_AXIS), gather)

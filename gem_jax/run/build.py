@@ -22,7 +22,7 @@ step (gem_jax/run/step.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from gem_jax import check
+from gem_jax.config import Config
 from gem_jax.data import sources
 from gem_jax.data import shards
 from gem_jax.parallel import mesh as mesh_lib
@@ -47,22 +48,23 @@ from gem_jax.run import next_item  # noqa: F401  isort: skip
 @dataclasses.dataclass
 class Run:
   """What a config builds: everything the trainer, the meter and the simulator need (module docstring)."""
-  cfg: Any
-  source: Any
-  task: Any
+  cfg: Config
+  source: sources.Source
+  task: tasks.Task
   mesh_spec: mesh_lib.MeshSpec
-  mesh: Any                      # jax.sharding.Mesh, or an AbstractMesh when abstract
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh   # abstract for a cluster larger than this process
   plan: placement.Placement
-  optimizer: Any
-  graphdef: Any
-  rest: Any                      # the model's non-parameter state
-  state: TrainState     # placed on the mesh, or ShapeDtypeStructs with their shardings
+  optimizer: optim.Optimizer
+  graphdef: nnx.GraphDef
+  rest: nnx.State                # the model's non-parameter state
+  state: TrainState              # placed on the mesh, or ShapeDtypeStructs with their shardings
   capacities: dict[str, int]
   sync_capacities: dict[str, dict[str, int]]  # the sparse engine's, per table (lookups.sync_capacities)
   lookups: lookups.LookupTrace   # the model's lookup calls per batch shape, one count-only trace each
-  train_step: Any = None         # None on an abstract mesh
-  eval_step: Any = None
-  _exchange: Any = dataclasses.field(default_factory=lambda: host_exchange.Exchange("feed"), repr=False)
+  train_step: Callable | None = None   # jitted (gem_jax/run/step.py); None on an abstract mesh
+  eval_step: Callable | None = None
+  _exchange: host_exchange.Exchange = dataclasses.field(default_factory=lambda: host_exchange.Exchange("feed"),
+                                                        repr=False)
 
   @property
   def num_devices(self) -> int:

@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gem_jax import runtime
+from gem_jax import runtime, scopes
 from gem_jax.model.embeddings import Table
 from gem_jax.parallel import lookups, placement, spmd
 from gem_jax.parallel.placement import Placement
@@ -101,7 +101,7 @@ def make_train_step(graphdef, rest, optimizer, task, plan: Placement, state: Tra
         dense, update.wrt(tables, calls), tables, batch, dropout_rng)
     dense_sq = squared_norm(g_dense)
     finite = jnp.isfinite(loss) & jnp.isfinite(dense_sq)
-    with jax.named_scope("embedding_update"):  # HLO op names say which collectives the table update runs
+    with jax.named_scope(scopes.EMBEDDING_UPDATE):  # HLO op names say which collectives the table update runs
       t = update.apply(tables, optimizer.table_state(state.opt_state), g_tables, reads, calls, finite)
     # Dense side: optax on the dense gradients only (table leaves are masked out, whatever they hold).
     dense_state = optimizer.dense_state(state.opt_state)

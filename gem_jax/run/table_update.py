@@ -5,10 +5,9 @@
   SparseTables   "sparse" (the default), the sparse embedding engine: table work follows the ids a batch
                  reads, not V
 
-Both answer the step's questions the same way: `calls(batch)` (the lookup calls the update needs to know),
-`wrt` (what value_and_grad differentiates for the tables), `model_tables` (the tables the model sees),
-`lookup` (the lookup wrapped for the backward), `apply` (the gradients to new tables and row-optimizer
-state, as a TableStep).
+Both answer the step's questions (`TableUpdate`): the lookup calls the update needs to know, what
+value_and_grad differentiates for the tables, the tables the model sees, the lookup wrapped for the
+backward, and the gradients applied to new tables and row-optimizer state (a TableStep).
 
 Letters: V table rows, Vl rows of this device's block, E width, N ids a lookup call reads on one device,
 U distinct ids, M rows an owner receives, D devices.
@@ -55,6 +54,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from gem_jax import scopes
 from gem_jax.model.embeddings import Table
 from gem_jax.parallel import sparse, spmd
 from gem_jax.parallel.lookups import LookupCall
@@ -358,13 +358,17 @@ def _like(tree, leaves):
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), leaves)
 
 
-class DenseTables:
-  """train.embedding_update = "dense": the tables are differentiated whole (a V x E gradient each, which JAX's
-  backward sums over the mesh) and every row takes the rule's dense form: the exact reference of the
-  sparse engine."""
+class TableUpdate:
+  """What the train step asks of its table update (gem_jax/run/step.py). The answers here differentiate the
+  tables themselves; SparseTables gives its own.
 
-  def __init__(self, rule):
-    self.rule = rule
+    calls(batch)                 the lookup calls it needs to know of this batch shape ([] : none)
+    wrt(tables, calls)           what value_and_grad differentiates for the tables (and its shard_map specs)
+    model_tables(wrt, tables)    the tables the model reads
+    lookup(inner, calls, wrt, reads)   the lookup the model calls (inner: the step's distributed lookup);
+                                 it may append what the update needs to `reads` (shard_map specs: read_specs)
+    apply(tables, table_state, grads, reads, calls, finite) -> TableStep
+  """
 
   def calls(self, batch) -> list:
     return []
@@ -385,6 +389,18 @@ class DenseTables:
     return inner
 
   def apply(self, tables, table_state, grads, reads, calls, finite) -> TableStep:
+    raise NotImplementedError
+
+
+class DenseTables(TableUpdate):
+  """train.embedding_update = "dense": the tables are differentiated whole (a V x E gradient each, which JAX's
+  backward sums over the mesh) and every row takes the rule's dense form: the exact reference of the
+  sparse engine."""
+
+  def __init__(self, rule):
+    self.rule = rule
+
+  def apply(self, tables, table_state, grads, reads, calls, finite) -> TableStep:
     sq = squared_norm(grads)
     finite = finite & jnp.isfinite(sq)
     blocks, slots = [], [[] for _ in table_state.slots]
@@ -399,7 +415,7 @@ class DenseTables:
     return TableStep(_like(tables, blocks), new_state, sq, finite, {})
 
 
-class SparseTables:
+class SparseTables(TableUpdate):
   """train.embedding_update = "sparse": the engine (module docstring). What is differentiated is one zero
   sink per lookup call (N x E per device), which the lookup adds to the rows it read, so the backward gives
   each call's row cotangents and nothing of size V; the update merges them per table by its layout and
@@ -448,7 +464,7 @@ class SparseTables:
       mine = [i for i, c in enumerate(calls) if c.table == name]
       if not mine:
         continue
-      with jax.named_scope(f"table={name}"):  # op names say whose collective it is (mesh_sweep counts per table)
+      with jax.named_scope(scopes.table(name)):  # op names say whose collective it is (mesh_sweep counts per table)
         ids_N = jnp.concatenate([ids_by_call[i] for i in mine])
         g_NxE = jnp.concatenate([cots_by_call[i] for i in mine]).astype(jnp.float32)
         merged[name] = merge_table(self.layout(name), blocks[t].shape, ids_N, g_NxE, tuple(calls[i].ids for i in mine))

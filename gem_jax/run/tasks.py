@@ -121,15 +121,14 @@ class AdsMultiTask(Task):
     out = dict(model_acc.result(self.spec.task_names))
     if has_planted:
       out.update({f"optimal/{t}": m for t, m in planted_acc.result(self.spec.task_names).items()})
-    labels_K, mask_K = _labels(batches, k)
-    out["_labels"] = (labels_K, mask_K)  # for summarize's baseline NE; not logged
     return out
 
   def summarize(self, evaluation: dict, counters: dict) -> dict:
     """Per task: eval NE / AUC / calibration next to baseline_ne (predicting the training base rate) and
     optimal_ne (the planted model), and the share of that gap the model closed."""
-    evaluation = evaluation[self.source.eval_splits[0]]
-    labels_K, mask_K = evaluation["_labels"]
+    split = self.source.eval_splits[0]
+    evaluation = evaluation[split]
+    labels_K, mask_K = _labels(self.source.eval_batches(split), len(self.spec.tasks))
     base_rates = counters["label_positives"] / np.maximum(counters["label_counts"], 1)
     tasks = {}
     for i, task in enumerate(self.spec.task_names):

@@ -18,6 +18,7 @@ import jax
 
 from gem_jax.observe import embedding_update, flops, hlo, meter as meter_lib, report as report_lib
 from gem_jax.run import table_update
+from gem_jax.train import trainer as trainer_lib
 from gem_jax.train.hooks import Hook
 
 
@@ -41,7 +42,7 @@ class Meter(Hook):
     self.sparse_engine = t.run.cfg.train.embedding_update == "sparse"
     self.meter = meter_lib.RunMeter(t.run, out_dir=t.out_dir, start_step=t.step, end_step=t.end_step,
                                     flop_model=self.flop_model, imbalance_every=self.imbalance_every,
-                                    busy_every=tuple(h.every for h in t.hooks if h.key in ("checkpoint", "evaluate")))
+                                    busy_every=(t.run.cfg.train.checkpoint_every, trainer_lib.eval_every(t.run)))
     self.meter.notes += self.flop_model.notes
     # Before the first step donates the state.
     self.optimizer_flops = meter_lib.optimizer_flops_sharded(t.run.optimizer, t.state.params, t.state.opt_state,
@@ -61,10 +62,12 @@ class Meter(Hook):
       self.tokens += int(lengths.sum())
       self.model_flops += self.meter.steps[t.step].model_flops / flops.TRAIN_FLOPS_FACTOR
 
-  def drained(self, t, step: int, host: dict) -> None:
+  def step_metrics(self, t, step: int, metrics) -> dict:
+    return {} if self.meter is None else self.meter.drained(step - 1)
+
+  def drained(self, t, step: int, host) -> None:
     if self.meter is None:
       return
-    host.update(self.meter.drained(step - 1))
     if self.sparse_engine:
       self.engine_stats.append({k: float(v) for k, v in host.items() if k.startswith("emb/")})
     for key in self.history:

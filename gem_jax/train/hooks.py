@@ -12,6 +12,14 @@
 
 A hook overrides only the calls it needs; each call gets the Trainer. Hooks with state that a resume must
 see return it from state_dict() (JSON), and it comes back through load_state_dict() from the checkpoint.
+
+Hooks do not know each other, and their order does not matter (tests/test_train.py shuffles it):
+  - a drained step's record is the step's metrics plus what every hook's step_metrics() adds (the meter's
+    step time and MFU), and drained() sees it read-only;
+  - the checkpoint saves in end_step(), after every hook's after_step() (an evaluation at that step
+    included), and sets the trainer's `checkpointer`; the guard restores through the trainer
+    (`restore_before`, `checkpointer`), not through the checkpoint hook;
+  - cadences come from the config (trainer.eval_every, train.checkpoint_every), not from other hooks.
 """
 
 from __future__ import annotations
@@ -34,8 +42,13 @@ class Hook:
   def begin(self, t) -> None: ...
   def before_batch(self, t) -> None: ...
   def before_dispatch(self, t, host_batch) -> None: ...
-  def drained(self, t, step: int, host: dict) -> None: ...
+  def step_metrics(self, t, step: int, metrics) -> dict:
+    """What this hook adds to drained step `step`'s record, from the step's own (read-only) metrics."""
+    return {}
+
+  def drained(self, t, step: int, host) -> None: ...   # host: the step's whole record, read-only
   def after_step(self, t) -> None: ...
+  def end_step(self, t) -> None: ...                   # after every hook's after_step
   def busy(self, t, step: int) -> None: ...
   def end_training(self, t) -> None: ...
   def final_eval(self, t, evaluation: dict, task_summary: dict) -> None: ...
@@ -64,8 +77,8 @@ class Checkpoint(Hook):
     self.checkpointer: Checkpointer | None = None
 
   def restore(self, t, resume: bool) -> None:
-    self.checkpointer = ckpt = Checkpointer(os.path.join(t.out_dir, "checkpoints"), keep=self.keep,
-                                            save_every=self.every)
+    self.checkpointer = t.checkpointer = ckpt = Checkpointer(os.path.join(t.out_dir, "checkpoints"),
+                                                             keep=self.keep, save_every=self.every)
     latest = ckpt.latest_step()
     if latest is None:
       return
@@ -89,7 +102,7 @@ class Checkpoint(Hook):
     for fb in self.checkpointer.fallbacks:  # corrupt checkpoints skipped by the restore (each also warned about)
       t.log({"event": "checkpoint_fallback", "step": t.step, **fb.as_dict()})
 
-  def after_step(self, t) -> None:
+  def end_step(self, t) -> None:
     if not (self.checkpointer.should_save(t.step) or t.step in (t.total_steps, t.end_step)):
       return
     t.mark_busy(t.step)
@@ -103,12 +116,6 @@ class Checkpoint(Hook):
 
   def end_training(self, t) -> None:
     self.checkpointer.wait()
-
-  def restore_before(self, t, step: int):
-    """(step, state) of the newest usable checkpoint at or before `step` (the guard's restore)."""
-    restored_step, state, _ = self.checkpointer.restore(abstract_state=t.run.abstract_state(), max_step=step)
-    return restored_step, type(state)(state.params, t.run.optimizer.with_schedule(state.opt_state), state.step,
-                                      state.rng)
 
   def summary(self, t) -> dict:
     return {"checkpoint_fallbacks": [fb.as_dict() for fb in self.checkpointer.fallbacks]}
@@ -222,10 +229,11 @@ class Evaluate(Hook):
     return out
 
   def state_dict(self) -> dict:
-    # JSON has no NaN (a task without labels in a small eval set): those metrics are stored as None.
+    # JSON has no NaN (a task without labels in a small eval set): those metrics are stored by name.
     return _finite({"best": self.best, "bad": self.bad, "history": self.history, "losses": self.losses})
 
   def load_state_dict(self, state: dict) -> None:
+    state = _floats(state)
     self.best, self.bad, self.history, self.losses = state["best"], state["bad"], state["history"], state["losses"]
 
 
@@ -242,12 +250,28 @@ def _loggable(evaluation: dict, split: str) -> dict:
   return out
 
 
+_NONFINITE = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
 def _finite(tree):
+  """`tree` with every non-finite float as its JSON name ("NaN", "Infinity", "-Infinity"): a checkpoint's JSON
+  has no NaN, and `_floats` gives them back, so a resumed run's records equal an unbroken run's."""
   if isinstance(tree, dict):
     return {k: _finite(v) for k, v in tree.items()}
   if isinstance(tree, list):
     return [_finite(v) for v in tree]
-  return None if isinstance(tree, float) and not np.isfinite(tree) else tree
+  if isinstance(tree, float) and not np.isfinite(tree):
+    return "NaN" if np.isnan(tree) else "Infinity" if tree > 0 else "-Infinity"
+  return tree
+
+
+def _floats(tree):
+  """The inverse of `_finite`."""
+  if isinstance(tree, dict):
+    return {k: _floats(v) for k, v in tree.items()}
+  if isinstance(tree, list):
+    return [_floats(v) for v in tree]
+  return _NONFINITE.get(tree, tree) if isinstance(tree, str) else tree
 
 
 class NonFiniteError(FloatingPointError):
@@ -285,17 +309,18 @@ class Guard(Hook):
       applied = not in_flight[1]["nonfinite"]
       if not applied:
         self.skipped.append(in_flight[0])
-    ckpt = t.hook(Checkpoint)
+    ckpt = t.checkpointer
     if self.policy == "stop" or len(self.restores) >= self.max_restores:
       reason = ("train.on_nonfinite=stop" if self.policy == "stop" else
                 f"already restored {len(self.restores)} times (train.max_nonfinite_restores)")
-      self._stop(t, step, first, f"{what}; stopping ({reason}); last checkpoint: step "
-                                 f"{ckpt.checkpointer.latest_step()} in {ckpt.checkpointer.directory}")
+      where = f"step {ckpt.latest_step()} in {ckpt.directory}" if ckpt is not None else "none (no checkpoints kept)"
+      self._stop(t, step, first, f"{what}; stopping ({reason}); last checkpoint: {where}")
     try:
-      restored_step, restored = ckpt.restore_before(t, first - 1)
+      restored_step, restored = t.restore_before(first - 1)
     except FileNotFoundError:
+      on_disk = ckpt.all_steps() if ckpt is not None else []
       self._stop(t, step, first, f"{what}; no checkpoint from before step {first} to restore (steps on disk: "
-                                 f"{ckpt.checkpointer.all_steps()}); stopping")
+                                 f"{on_disk}); stopping")
     # Keep the batch count and the key: the run goes on with new data, not a replay of the bad batches.
     t.state = type(t.state)(restored.params, restored.opt_state, t.state.step, t.state.rng)
     record = {"at_step": t.step, "streak": [first, step], "restored_step": restored_step,
@@ -307,7 +332,8 @@ class Guard(Hook):
           "continue with the next batch", flush=True)
 
   def _stop(self, t, step: int, first: int, message: str):
-    t.hook(Checkpoint).checkpointer.wait()
+    if t.checkpointer is not None:
+      t.checkpointer.wait()
     t.log({"event": "nonfinite_stop", "step": step, "streak": [first, step]})
     t.writer.close()
     raise NonFiniteError(message)

@@ -24,11 +24,11 @@ from gem_jax.train.efficiency import Meter
 
 
 def standard_hooks(run, *, progress: bool = True, report: bool = True) -> list:
-  """Checkpoint, the efficiency meter, metrics.jsonl, the non-finite guard and evaluation, in the order
-  they must see each step (the meter adds step time and MFU to the metrics the log then writes)."""
+  """Checkpoint, the efficiency meter, metrics.jsonl, the non-finite guard and evaluation (in any order:
+  gem_jax/train/hooks.py)."""
   tc = run.cfg.train
   per_epoch = run.source.steps_per_epoch()
-  every = tc.eval_every_epochs * per_epoch if tc.eval_every_epochs and per_epoch else tc.eval_every
+  every = trainer.eval_every(run)
   out = [hooks_lib.Checkpoint(tc.checkpoint_every, tc.keep_checkpoints)]
   if report:
     out.append(Meter(imbalance_every=tc.log_every))

@@ -1,7 +1,8 @@
 """The trainer: train(run, out_dir, hooks) runs the one train step over the run's data, read top to bottom.
 
   restore   the checkpoint hook restores state, data position, task counters and every hook's own state
-  loop      next batch -> hooks.before_dispatch -> train_step -> hooks.drained(step N - 1) -> hooks.after_step
+  loop      next batch -> hooks.before_dispatch -> train_step -> hooks.step_metrics + drained(step N - 1)
+            -> hooks.after_step -> hooks.end_step (the checkpoint saves there)
   final     the final evaluation of every split with the selected parameters, the task's summary, each
             hook's part, summary.json
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import types
 from typing import Any, Callable
 
 import jax
@@ -89,12 +91,9 @@ class Trainer:
     self.programs: dict[tuple, list] = {}      # batch shapes -> [compiled train step, steps run with it]
     self.compile_s: float | None = None
     self.writer = None                        # metrics.jsonl (gem_jax/train/hooks.py JsonlWriter), process 0
+    self.checkpointer = None                  # the run's checkpoints (set by the checkpoint hook's restore)
     self._pending = None
     os.makedirs(out_dir, exist_ok=True)
-
-  def hook(self, cls):
-    """The run's hook of type `cls`, or None."""
-    return next((h for h in self.hooks if isinstance(h, cls)), None)
 
   def stop(self, reason: str) -> None:
     self.stop_reason = self.stop_reason or reason
@@ -117,12 +116,32 @@ class Trainer:
     return None if pending is None else (pending[0], jsonable(jax.device_get(pending[1])))
 
   def _drain(self, pending) -> None:
+    """Every hook first says what it adds to the step's record (step_metrics, from the step's own metrics),
+    then every hook sees the whole record, read-only (drained): no hook reads what another hook changes, so
+    their order does not matter."""
     if pending is None:
       return
     step, dev_metrics = pending
-    host = jsonable(jax.device_get(dev_metrics))
+    metrics = jsonable(jax.device_get(dev_metrics))
+    added: dict = {}
     for h in self.hooks:
-      h.drained(self, step, host)
+      extra = h.step_metrics(self, step, types.MappingProxyType(metrics))
+      clash = set(extra) & (set(metrics) | set(added))
+      if clash:
+        raise ValueError(f"hook {type(h).__name__} adds step metrics {sorted(clash)} that are already there")
+      added.update(extra)
+    record = types.MappingProxyType({**metrics, **added})
+    for h in self.hooks:
+      h.drained(self, step, record)
+
+  def restore_before(self, step: int):
+    """(step, state) of the newest usable checkpoint at or before `step`, in this config's schedule numbers
+    (optim.ScheduleState); FileNotFoundError when there is none (or no checkpoints at all)."""
+    if self.checkpointer is None:
+      raise FileNotFoundError("this run keeps no checkpoints")
+    restored_step, state, _ = self.checkpointer.restore(abstract_state=self.run.abstract_state(), max_step=step)
+    return restored_step, type(state)(state.params, self.run.optimizer.with_schedule(state.opt_state), state.step,
+                                      state.rng)
 
   def compile_if_new(self, device_batch) -> None:
     """Each new batch shape (history bucket) is compiled ahead of time, to time the compile alone and let
@@ -142,6 +161,13 @@ class Trainer:
   def log(self, record: dict) -> None:
     if self.writer is not None:
       self.writer.write(record)
+
+
+def eval_every(run) -> int:
+  """Steps between periodic evaluations: train.eval_every_epochs x the steps of an epoch, else train.eval_every."""
+  tc = run.cfg.train
+  per_epoch = run.source.steps_per_epoch()
+  return tc.eval_every_epochs * per_epoch if tc.eval_every_epochs and per_epoch else tc.eval_every
 
 
 def total_steps(run) -> int:
@@ -195,6 +221,8 @@ def train(run, out_dir: str, hooks: list, *, resume: bool = False, stop_after: i
     t.dispatched(dev_metrics)
     for h in t.hooks:
       h.after_step(t)
+    for h in t.hooks:  # after every hook's work on the step: a checkpoint holds all of it
+      h.end_step(t)
   t.drain()
   jax.block_until_ready(t.state)
   train_s = time.perf_counter() - (t.t_first or time.perf_counter())

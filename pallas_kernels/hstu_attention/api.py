@@ -29,7 +29,7 @@ def _pad_to_pow2(x, fill):
   return jnp.pad(x, widths, constant_values=fill)
 
 
-def _owned_mask_T(offsets_Bp1, capacity: int, max_seq_len: int):
+def owned_mask_T(offsets_Bp1, capacity: int, max_seq_len: int):
   """Token slots some row owns within its first N positions; the kernels write nothing elsewhere."""
   t_T = jnp.arange(capacity, dtype=jnp.int32)
   row_T = jnp.clip(jnp.searchsorted(offsets_Bp1, t_T, side="right").astype(jnp.int32) - 1,
@@ -37,12 +37,12 @@ def _owned_mask_T(offsets_Bp1, capacity: int, max_seq_len: int):
   return (t_T < offsets_Bp1[-1]) & (t_T - offsets_Bp1[row_T] < max_seq_len)
 
 
-def _unpad(x_TpxHxW, owned_T):
+def unpad(x_TpxHxW, owned_T):
   capacity = owned_T.shape[0]
   return jnp.where(owned_T[:, None, None], x_TpxHxW[:capacity], jnp.zeros((), x_TpxHxW.dtype))
 
 
-def _prepare(s, block, q, k, v, offsets_Bp1, targets_B, bias_HxR):
+def prepare(s, block, q, k, v, offsets_Bp1, targets_B, bias_HxR):
   """Kernel operands: token arrays padded by one block (tiles starting in a row stay in bounds)."""
   pad = max(block.block_q, block.block_k)
   q, k, v = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))) for x in (q, k, v))
@@ -60,21 +60,21 @@ def _attention(s, block, interpret, q, k, v, bias_HxR, offsets_Bp1, targets_B):
 
 
 def _attention_fwd(s, block, interpret, q, k, v, bias_HxR, offsets_Bp1, targets_B):
-  operands = _prepare(s, block, q, k, v, offsets_Bp1, targets_B, bias_HxR)
+  operands = prepare(s, block, q, k, v, offsets_Bp1, targets_B, bias_HxR)
   out = hstu_pallas.hstu_attention_fwd_pallas(*operands, offsets_Bp1.shape[0] - 1, s, interpret)
-  owned_T = _owned_mask_T(offsets_Bp1, q.shape[0], s.max_seq_len)
-  return _unpad(out, owned_T), (q, k, v, bias_HxR, offsets_Bp1, targets_B)
+  owned_T = owned_mask_T(offsets_Bp1, q.shape[0], s.max_seq_len)
+  return unpad(out, owned_T), (q, k, v, bias_HxR, offsets_Bp1, targets_B)
 
 
 def _attention_bwd(s, block, interpret, residuals, do_TxHxDv):
   q, k, v, bias_HxR, offsets_Bp1, targets_B = residuals
-  q_p, k_p, v_p, offsets_Bp, targets_Bp, bias_HxRp = _prepare(s, block, q, k, v, offsets_Bp1,
+  q_p, k_p, v_p, offsets_Bp, targets_Bp, bias_HxRp = prepare(s, block, q, k, v, offsets_Bp1,
                                                               targets_B, bias_HxR)
   pad = q_p.shape[0] - q.shape[0]
   do_p = jnp.pad(do_TxHxDv, ((0, pad), (0, 0), (0, 0)))
   dq, dk, dv, dbias_HxG = hstu_pallas.hstu_attention_bwd_pallas(
       q_p, k_p, v_p, do_p, offsets_Bp, targets_Bp, bias_HxRp, offsets_Bp1.shape[0] - 1, s, interpret)
-  owned_T = _owned_mask_T(offsets_Bp1, q.shape[0], s.max_seq_len)
+  owned_T = owned_mask_T(offsets_Bp1, q.shape[0], s.max_seq_len)
   dbias_HxR = None
   if bias_HxR is not None:
     buckets_G = np.array([bucket for bucket, _, _ in s.segments], np.int32)
@@ -84,7 +84,7 @@ def _attention_bwd(s, block, interpret, residuals, do_TxHxDv):
   int_zero = lambda x: np.zeros(x.shape, jax.dtypes.float0)
   # Under shard_map each cotangent takes its input's varying axes (summed over the ones the kernel's
   # operands added, e.g. the batch axes of the offsets).
-  grads = [vma.sum_to(_unpad(g, owned_T), x) for g, x in ((dq, q), (dk, k), (dv, v))]
+  grads = [vma.sum_to(unpad(g, owned_T), x) for g, x in ((dq, q), (dk, k), (dv, v))]
   if dbias_HxR is not None:
     dbias_HxR = vma.sum_to(dbias_HxR, bias_HxR)
   return (*grads, dbias_HxR, int_zero(offsets_Bp1), int_zero(targets_B))

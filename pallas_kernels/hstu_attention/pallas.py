@@ -63,7 +63,7 @@ def bucket_segments(max_seq_len: int, num_buckets: int) -> tuple[tuple[int, int,
   return tuple(segments)
 
 
-def _dot(a, b, contract_a: int, contract_b: int):
+def dot(a, b, contract_a: int, contract_b: int):
   # HIGHEST keeps f32 inputs in IEEE f32 on GPU (no TF32): the f32 tests compare at 1e-5.
   return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
                          precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
@@ -73,7 +73,7 @@ def _pos(idx, max_pos, s: HSTUStatic):
   return masks.position(idx, max_pos, contextual_seq_len=s.contextual_seq_len, has_targets=s.has_targets)
 
 
-def _row(offsets_ref, targets_ref, s: HSTUStatic):
+def row_span(offsets_ref, targets_ref, s: HSTUStatic):
   """(start, n_in, max_pos) of this program's row; n_in = length clipped to N (reference pads to N)."""
   b = pl.program_id(0)
   start = offsets_ref[b]
@@ -83,14 +83,14 @@ def _row(offsets_ref, targets_ref, s: HSTUStatic):
   return start, jnp.minimum(length, s.max_seq_len), max_pos
 
 
-def _mask(i_Qx1, j_1xK, n_in, max_pos, s: HSTUStatic):
+def tile_mask(i_Qx1, j_1xK, n_in, max_pos, s: HSTUStatic):
   """(mask_QxK, d_QxK) exactly as reference.attention_mask, for one tile."""
   return masks.tile_mask(i_Qx1, j_1xK, n_in, max_pos, causal=s.causal, max_attn_len=s.max_attn_len,
                          contextual_seq_len=s.contextual_seq_len, has_targets=s.has_targets)
 
 
 def _logits(q_QxD, k_KxD, d_QxK, bias_ref, s: HSTUStatic):
-  logits_QxK = s.alpha * _dot(q_QxD, k_KxD, 1, 1)
+  logits_QxK = s.alpha * dot(q_QxD, k_KxD, 1, 1)
   dist_QxK = jnp.abs(d_QxK)
   for bucket, lo, hi in s.segments:
     logits_QxK = logits_QxK + jnp.where((dist_QxK >= lo) & (dist_QxK < hi),
@@ -102,13 +102,13 @@ def _sigmoid(x):
   return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def _cdiv(a, b: int):
+def cdiv(a, b: int):
   return (a + b - 1) // b
 
 
-def _key_blocks(q0, n_in, max_pos, s: HSTUStatic):
+def key_blocks(q0, n_in, max_pos, s: HSTUStatic):
   """[lo, hi) of the key blocks that queries [q0, q0 + Q) of this row can see (a superset)."""
-  num = _cdiv(n_in, s.block_k)
+  num = cdiv(n_in, s.block_k)
   if not s.causal:
     return jnp.int32(0), num
   c = s.contextual_seq_len
@@ -126,13 +126,13 @@ def _key_blocks(q0, n_in, max_pos, s: HSTUStatic):
   return lo, hi
 
 
-def _query_blocks(k0, n_in, max_pos, s: HSTUStatic):
+def query_blocks(k0, n_in, max_pos, s: HSTUStatic):
   """(ctx, lo, hi): query blocks [0, ctx) (contextual prefix) and [lo, hi) can see keys [k0, k0 + K)."""
-  num = _cdiv(n_in, s.block_q)
+  num = cdiv(n_in, s.block_q)
   if not s.causal:
     return jnp.int32(0), jnp.int32(0), num
   c = s.contextual_seq_len
-  ctx = _cdiv(jnp.minimum(c, n_in), s.block_q) if c > 0 else jnp.int32(0)
+  ctx = cdiv(jnp.minimum(c, n_in), s.block_q) if c > 0 else jnp.int32(0)
   hi = num
   if s.max_attn_len > 0:
     # Queries need p(i) <= p(last key) + w; targets all share max_pos.
@@ -144,14 +144,14 @@ def _query_blocks(k0, n_in, max_pos, s: HSTUStatic):
   return ctx, jnp.maximum(k0 // s.block_q, ctx), hi
 
 
-def _load_rows(ref, start, first, size: int, n_in):
+def load_rows(ref, start, first, size: int, n_in):
   """Rows [first, first + size) of the row at `start`, zero past the row (they may be the next row)."""
   x = ref[pl.ds(start + first, size), :]
   valid = (first + jnp.arange(size, dtype=jnp.int32) < n_in)[:, None]
   return jnp.where(valid, x, jnp.zeros((), x.dtype)), valid
 
 
-def _store_rows(ref, start, first, value, valid):
+def store_rows(ref, start, first, value, valid):
   pl_triton.store(ref.at[pl.ds(start + first, value.shape[0]), :], value.astype(ref.dtype),
                   mask=valid & jnp.ones(value.shape, jnp.bool_))
 
@@ -164,70 +164,70 @@ def _split_refs(refs, num_inputs: int, has_bias: bool):
 
 def _fwd_kernel(offsets_ref, targets_ref, *refs, s: HSTUStatic):
   (q_ref, k_ref, v_ref), bias_ref, (out_ref,) = _split_refs(refs, 3, bool(s.segments))
-  start, n_in, max_pos = _row(offsets_ref, targets_ref, s)
+  start, n_in, max_pos = row_span(offsets_ref, targets_ref, s)
   q0 = pl.program_id(2) * s.block_q
 
   @pl.when(q0 < n_in)
   def _():
-    q_QxD, valid_Qx1 = _load_rows(q_ref, start, q0, s.block_q, n_in)
+    q_QxD, valid_Qx1 = load_rows(q_ref, start, q0, s.block_q, n_in)
     i_Qx1 = q0 + jnp.arange(s.block_q, dtype=jnp.int32)[:, None]
 
     def body(kb, acc_QxDv):
       k0 = kb * s.block_k
-      k_KxD, _ = _load_rows(k_ref, start, k0, s.block_k, n_in)
-      v_KxDv, _ = _load_rows(v_ref, start, k0, s.block_k, n_in)
+      k_KxD, _ = load_rows(k_ref, start, k0, s.block_k, n_in)
+      v_KxDv, _ = load_rows(v_ref, start, k0, s.block_k, n_in)
       j_1xK = k0 + jnp.arange(s.block_k, dtype=jnp.int32)[None, :]
-      mask_QxK, d_QxK = _mask(i_Qx1, j_1xK, n_in, max_pos, s)
+      mask_QxK, d_QxK = tile_mask(i_Qx1, j_1xK, n_in, max_pos, s)
       logits_QxK = _logits(q_QxD, k_KxD, d_QxK, bias_ref, s)
       # `where`, not a multiply: masked logits may be inf and must not become NaN.
       w_QxK = jnp.where(mask_QxK, logits_QxK * _sigmoid(logits_QxK), 0.0) / s.max_seq_len
-      return acc_QxDv + _dot(w_QxK.astype(v_KxDv.dtype), v_KxDv, 1, 0)
+      return acc_QxDv + dot(w_QxK.astype(v_KxDv.dtype), v_KxDv, 1, 0)
 
-    lo, hi = _key_blocks(q0, n_in, max_pos, s)
+    lo, hi = key_blocks(q0, n_in, max_pos, s)
     acc_QxDv = lax.fori_loop(lo, hi, body, jnp.zeros((s.block_q, out_ref.shape[-1]), jnp.float32))
-    _store_rows(out_ref, start, q0, acc_QxDv, valid_Qx1)
+    store_rows(out_ref, start, q0, acc_QxDv, valid_Qx1)
 
 
 def _dlogits(q_QxD, k_KxD, v_KxDv, do_QxDv, i_Qx1, j_1xK, n_in, max_pos, bias_ref, s):
   """(weights_QxK, dlogits_QxK) of one tile: the forward weights and d loss / d logits."""
-  mask_QxK, d_QxK = _mask(i_Qx1, j_1xK, n_in, max_pos, s)
+  mask_QxK, d_QxK = tile_mask(i_Qx1, j_1xK, n_in, max_pos, s)
   logits_QxK = _logits(q_QxD, k_KxD, d_QxK, bias_ref, s)
   sig_QxK = _sigmoid(logits_QxK)
   w_QxK = jnp.where(mask_QxK, logits_QxK * sig_QxK, 0.0) / s.max_seq_len
-  dw_QxK = _dot(do_QxDv, v_KxDv, 1, 1)
+  dw_QxK = dot(do_QxDv, v_KxDv, 1, 1)
   dsilu_QxK = sig_QxK * (1.0 + logits_QxK * (1.0 - sig_QxK))
   return w_QxK, jnp.where(mask_QxK, dw_QxK * dsilu_QxK, 0.0) / s.max_seq_len, d_QxK
 
 
 def _dq_kernel(offsets_ref, targets_ref, *refs, s: HSTUStatic):
   (q_ref, k_ref, v_ref, do_ref), bias_ref, (dq_ref,) = _split_refs(refs, 4, bool(s.segments))
-  start, n_in, max_pos = _row(offsets_ref, targets_ref, s)
+  start, n_in, max_pos = row_span(offsets_ref, targets_ref, s)
   q0 = pl.program_id(2) * s.block_q
 
   @pl.when(q0 < n_in)
   def _():
-    q_QxD, valid_Qx1 = _load_rows(q_ref, start, q0, s.block_q, n_in)
-    do_QxDv, _ = _load_rows(do_ref, start, q0, s.block_q, n_in)
+    q_QxD, valid_Qx1 = load_rows(q_ref, start, q0, s.block_q, n_in)
+    do_QxDv, _ = load_rows(do_ref, start, q0, s.block_q, n_in)
     i_Qx1 = q0 + jnp.arange(s.block_q, dtype=jnp.int32)[:, None]
 
     def body(kb, acc_QxD):
       k0 = kb * s.block_k
-      k_KxD, _ = _load_rows(k_ref, start, k0, s.block_k, n_in)
-      v_KxDv, _ = _load_rows(v_ref, start, k0, s.block_k, n_in)
+      k_KxD, _ = load_rows(k_ref, start, k0, s.block_k, n_in)
+      v_KxDv, _ = load_rows(v_ref, start, k0, s.block_k, n_in)
       j_1xK = k0 + jnp.arange(s.block_k, dtype=jnp.int32)[None, :]
       _, dl_QxK, _ = _dlogits(q_QxD, k_KxD, v_KxDv, do_QxDv, i_Qx1, j_1xK, n_in, max_pos, bias_ref, s)
-      return acc_QxD + _dot(dl_QxK.astype(k_KxD.dtype), k_KxD, 1, 0)
+      return acc_QxD + dot(dl_QxK.astype(k_KxD.dtype), k_KxD, 1, 0)
 
-    lo, hi = _key_blocks(q0, n_in, max_pos, s)
+    lo, hi = key_blocks(q0, n_in, max_pos, s)
     acc_QxD = lax.fori_loop(lo, hi, body, jnp.zeros((s.block_q, dq_ref.shape[-1]), jnp.float32))
-    _store_rows(dq_ref, start, q0, s.alpha * acc_QxD, valid_Qx1)
+    store_rows(dq_ref, start, q0, s.alpha * acc_QxD, valid_Qx1)
 
 
 def _dkv_kernel(offsets_ref, targets_ref, *refs, s: HSTUStatic):
   has_bias = bool(s.segments)
   (q_ref, k_ref, v_ref, do_ref), bias_ref, out_refs = _split_refs(refs, 4, has_bias)
   dk_ref, dv_ref = out_refs[:2]
-  start, n_in, max_pos = _row(offsets_ref, targets_ref, s)
+  start, n_in, max_pos = row_span(offsets_ref, targets_ref, s)
   k0 = pl.program_id(2) * s.block_k
   num_seg = out_refs[2].shape[-1] if has_bias else 1
 
@@ -236,39 +236,39 @@ def _dkv_kernel(offsets_ref, targets_ref, *refs, s: HSTUStatic):
 
   @pl.when(k0 < n_in)
   def _():
-    k_KxD, valid_Kx1 = _load_rows(k_ref, start, k0, s.block_k, n_in)
-    v_KxDv, _ = _load_rows(v_ref, start, k0, s.block_k, n_in)
+    k_KxD, valid_Kx1 = load_rows(k_ref, start, k0, s.block_k, n_in)
+    v_KxDv, _ = load_rows(v_ref, start, k0, s.block_k, n_in)
     j_1xK = k0 + jnp.arange(s.block_k, dtype=jnp.int32)[None, :]
     seg_G = jnp.arange(num_seg, dtype=jnp.int32)
 
     def body(step, carry):
       dk_KxD, dv_KxDv, dbias_G = carry
       q0 = jnp.where(step < ctx, step, step - ctx + lo) * s.block_q
-      q_QxD, _ = _load_rows(q_ref, start, q0, s.block_q, n_in)
-      do_QxDv, _ = _load_rows(do_ref, start, q0, s.block_q, n_in)
+      q_QxD, _ = load_rows(q_ref, start, q0, s.block_q, n_in)
+      do_QxDv, _ = load_rows(do_ref, start, q0, s.block_q, n_in)
       i_Qx1 = q0 + jnp.arange(s.block_q, dtype=jnp.int32)[:, None]
       w_QxK, dl_QxK, d_QxK = _dlogits(q_QxD, k_KxD, v_KxDv, do_QxDv, i_Qx1, j_1xK, n_in, max_pos,
                                       bias_ref, s)
-      dk_KxD = dk_KxD + _dot(dl_QxK.astype(q_QxD.dtype), q_QxD, 0, 0)
-      dv_KxDv = dv_KxDv + _dot(w_QxK.astype(do_QxDv.dtype), do_QxDv, 0, 0)
+      dk_KxD = dk_KxD + dot(dl_QxK.astype(q_QxD.dtype), q_QxD, 0, 0)
+      dv_KxDv = dv_KxDv + dot(w_QxK.astype(do_QxDv.dtype), do_QxDv, 0, 0)
       dist_QxK = jnp.abs(d_QxK)
       for g, (_, seg_lo, seg_hi) in enumerate(s.segments):
         total = jnp.sum(jnp.where((dist_QxK >= seg_lo) & (dist_QxK < seg_hi), dl_QxK, 0.0))
         dbias_G = dbias_G + jnp.where(seg_G == g, total, 0.0)
       return dk_KxD, dv_KxDv, dbias_G
 
-    ctx, lo, hi = _query_blocks(k0, n_in, max_pos, s)
+    ctx, lo, hi = query_blocks(k0, n_in, max_pos, s)
     init = (jnp.zeros((s.block_k, dk_ref.shape[-1]), jnp.float32),
             jnp.zeros((s.block_k, dv_ref.shape[-1]), jnp.float32),
             jnp.zeros((num_seg,), jnp.float32))
     dk_KxD, dv_KxDv, dbias_G = lax.fori_loop(0, ctx + jnp.maximum(hi - lo, 0), body, init)
-    _store_rows(dk_ref, start, k0, s.alpha * dk_KxD, valid_Kx1)
-    _store_rows(dv_ref, start, k0, dv_KxDv, valid_Kx1)
+    store_rows(dk_ref, start, k0, s.alpha * dk_KxD, valid_Kx1)
+    store_rows(dv_ref, start, k0, dv_KxDv, valid_Kx1)
     if has_bias:
       out_refs[2][...] = dbias_G
 
 
-def _compiler_params(s: HSTUStatic, num_stages: int):
+def compiler_params(s: HSTUStatic, num_stages: int):
   """Pallas-Triton by name: without compiler params jax >= 0.10 lowers pallas_call to Mosaic GPU on
   NVIDIA, which these kernels (Triton masked stores, tiles at dynamic row offsets) were not written for
   and which rejects them (e.g. the 16-byte offsets block). Interpret mode ignores the params.
@@ -281,15 +281,15 @@ def _compiler_params(s: HSTUStatic, num_stages: int):
                                   num_stages=num_stages)
 
 
-def _slab_spec(x_shape):
+def slab_spec(x_shape):
   return pl.BlockSpec((x_shape[0], None, x_shape[2]), lambda b, h, i: (0, h, 0))
 
 
-def _common_specs(s: HSTUStatic, offsets_Bp, targets_Bp, arrays, bias_HxRp):
+def common_specs(s: HSTUStatic, offsets_Bp, targets_Bp, arrays, bias_HxRp):
   """in_specs and operands: row metadata whole, each Tp x H x W array as its head's Tp x W slab."""
   specs = [pl.BlockSpec(offsets_Bp.shape, lambda b, h, i: (0,)),
            pl.BlockSpec(targets_Bp.shape, lambda b, h, i: (0,))]
-  specs += [_slab_spec(x.shape) for x in arrays]
+  specs += [slab_spec(x.shape) for x in arrays]
   operands = [offsets_Bp, targets_Bp, *arrays]
   if s.segments:
     specs.append(pl.BlockSpec((None, bias_HxRp.shape[1]), lambda b, h, i: (h, 0)))
@@ -304,13 +304,13 @@ def hstu_attention_fwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, offsets_Bp, targets
   offsets_Bp / targets_Bp: int32, padded to a power of two (Triton tiles), offsets_Bp[:B+1] real.
   bias_HxRp: rel_bias padded to a power of two of buckets (ignored when s.segments is empty).
   """
-  specs, operands = _common_specs(s, offsets_Bp, targets_Bp, (q_TpxHxD, k_TpxHxD, v_TpxHxDv), bias_HxRp)
-  grid = (num_rows, q_TpxHxD.shape[1], _cdiv(s.max_seq_len, s.block_q))
+  specs, operands = common_specs(s, offsets_Bp, targets_Bp, (q_TpxHxD, k_TpxHxD, v_TpxHxDv), bias_HxRp)
+  grid = (num_rows, q_TpxHxD.shape[1], cdiv(s.max_seq_len, s.block_q))
   return vma.interpretable(pl.pallas_call(
       lambda *refs: _fwd_kernel(*refs, s=s), grid=grid, in_specs=specs,
-      out_specs=_slab_spec(v_TpxHxDv.shape),
+      out_specs=slab_spec(v_TpxHxDv.shape),
       out_shape=vma.shape_dtype(v_TpxHxDv.shape, v_TpxHxDv.dtype, *operands),
-      compiler_params=_compiler_params(s, num_stages=3), interpret=interpret,
+      compiler_params=compiler_params(s, num_stages=3), interpret=interpret,
       name="hstu_attention_fwd"), *operands, interpret=interpret)
 
 
@@ -321,18 +321,18 @@ def hstu_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, offsets
   dbias_HxG is per bias segment (s.segments[g]); the caller adds it into its bucket.
   """
   arrays = (q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv)
-  specs, operands = _common_specs(s, offsets_Bp, targets_Bp, arrays, bias_HxRp)
+  specs, operands = common_specs(s, offsets_Bp, targets_Bp, arrays, bias_HxRp)
   num_heads = q_TpxHxD.shape[1]
   dq_TpxHxD = vma.interpretable(pl.pallas_call(
       lambda *refs: _dq_kernel(*refs, s=s),
-      grid=(num_rows, num_heads, _cdiv(s.max_seq_len, s.block_q)), in_specs=specs,
-      out_specs=_slab_spec(q_TpxHxD.shape),
+      grid=(num_rows, num_heads, cdiv(s.max_seq_len, s.block_q)), in_specs=specs,
+      out_specs=slab_spec(q_TpxHxD.shape),
       out_shape=vma.shape_dtype(q_TpxHxD.shape, q_TpxHxD.dtype, *operands),
-      compiler_params=_compiler_params(s, num_stages=2), interpret=interpret,
+      compiler_params=compiler_params(s, num_stages=2), interpret=interpret,
       name="hstu_attention_dq"), *operands, interpret=interpret)
 
-  num_kb = _cdiv(s.max_seq_len, s.block_k)
-  out_specs = [_slab_spec(k_TpxHxD.shape), _slab_spec(v_TpxHxDv.shape)]
+  num_kb = cdiv(s.max_seq_len, s.block_k)
+  out_specs = [slab_spec(k_TpxHxD.shape), slab_spec(v_TpxHxDv.shape)]
   out_shape = [vma.shape_dtype(k_TpxHxD.shape, k_TpxHxD.dtype, *operands),
                vma.shape_dtype(v_TpxHxDv.shape, v_TpxHxDv.dtype, *operands)]
   if s.segments:
@@ -341,7 +341,7 @@ def hstu_attention_bwd_pallas(q_TpxHxD, k_TpxHxD, v_TpxHxDv, do_TpxHxDv, offsets
     out_shape.append(vma.shape_dtype((num_rows, num_heads, num_kb, num_seg), jnp.float32, *operands))
   outs = vma.interpretable(pl.pallas_call(
       lambda *refs: _dkv_kernel(*refs, s=s), grid=(num_rows, num_heads, num_kb), in_specs=specs,
-      out_specs=out_specs, out_shape=out_shape, compiler_params=_compiler_params(s, num_stages=2),
+      out_specs=out_specs, out_shape=out_shape, compiler_params=compiler_params(s, num_stages=2),
       interpret=interpret, name="hstu_attention_dkv"), *operands, interpret=interpret)
   dbias_HxG = outs[2].sum(axis=(0, 2))[:, :len(s.segments)] if s.segments else None
   return dq_TpxHxD, outs[0], outs[1], dbias_HxG

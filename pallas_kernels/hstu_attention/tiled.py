@@ -30,7 +30,7 @@ from pallas_kernels.hstu_attention.reference import relative_position_bucket
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class Static:
   """Trace-time facts of one call (hashable: custom_vjp takes it as a non-differentiable argument)."""
   max_seq_len: int
   alpha: float
@@ -46,16 +46,16 @@ def _cdiv(a, b: int):
   return (a + b - 1) // b
 
 
-def _dot(spec, a, b):
+def dot(spec, a, b):
   # HIGHEST keeps f32 in IEEE f32 on TPU (the f32 tests compare at 1e-5); bf16 products are exact in f32.
   return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _pos(idx, max_pos, s: _Static):
+def _pos(idx, max_pos, s: Static):
   return masks.position(idx, max_pos, contextual_seq_len=s.contextual_seq_len, has_targets=s.has_targets)
 
 
-def _rows(offsets_Bp1, targets_B, s: _Static):
+def _rows(offsets_Bp1, targets_B, s: Static):
   """(start_B, n_in_B, max_pos_B); n_in = length clipped to N (the reference pads rows to N)."""
   start_B = offsets_Bp1[:-1]
   length_B = offsets_Bp1[1:] - start_B
@@ -64,7 +64,7 @@ def _rows(offsets_Bp1, targets_B, s: _Static):
   return start_B, jnp.clip(length_B, 0, s.max_seq_len), max_pos_B
 
 
-def _key_block_range(q0, n_in, max_pos, s: _Static):
+def _key_block_range(q0, n_in, max_pos, s: Static):
   """[lo, hi) of the key blocks that queries [q0, q0 + block) of a row can see (a superset)."""
   num = _cdiv(n_in, s.block)
   if not s.causal:
@@ -83,7 +83,7 @@ def _key_block_range(q0, n_in, max_pos, s: _Static):
   return lo, hi
 
 
-def tile_capacity(capacity: int, num_rows: int, s: _Static) -> int:
+def tile_capacity(capacity: int, num_rows: int, s: Static) -> int:
   """C: a static upper bound on the tile count for any offsets with offsets[B] <= T.
 
   Tiles per row are g(nb) for nb = ceil(n / block) query blocks, g convex with g(0) = 0, so the sum is
@@ -100,7 +100,7 @@ def tile_capacity(capacity: int, num_rows: int, s: _Static) -> int:
   return max(full * g(nbmax) + g(rest), 1)
 
 
-def _tiles(offsets_Bp1, targets_B, num_tiles_cap: int, s: _Static):
+def _tiles(offsets_Bp1, targets_B, num_tiles_cap: int, s: Static):
   """(tiles_Cx3 int32 of (row, q0, k0), n_tiles): tiles ordered by row, query block, key block."""
   num_rows = offsets_Bp1.shape[0] - 1
   nbmax = _cdiv(s.max_seq_len, s.block)
@@ -137,14 +137,14 @@ def executed_pairs(offsets_Bp1, max_seq_len: int, block: int = 16, *, causal: bo
   """n_tiles * block^2: the (query, key) pairs the tiled kernel computes for these offsets (host int)."""
   offsets_Bp1 = jnp.asarray(offsets_Bp1, jnp.int32)
   num_rows = offsets_Bp1.shape[0] - 1
-  s = _Static(max_seq_len, 1.0, causal, num_targets is not None, max_attn_len, contextual_seq_len,
+  s = Static(max_seq_len, 1.0, causal, num_targets is not None, max_attn_len, contextual_seq_len,
               block, False)
   cap = tile_capacity(int(offsets_Bp1[-1]), num_rows, s)
   _, n_tiles = _tiles(offsets_Bp1, _targets(num_targets, num_rows), cap, s)
   return int(n_tiles) * block * block
 
 
-def _tile_mask(q0, k0, n_in, max_pos, s: _Static):
+def _tile_mask(q0, k0, n_in, max_pos, s: Static):
   """(mask_QxK, d_QxK) exactly as reference.attention_mask, for one tile of one row."""
   i_Qx1 = q0 + jnp.arange(s.block, dtype=jnp.int32)[:, None]
   j_1xK = k0 + jnp.arange(s.block, dtype=jnp.int32)[None, :]
@@ -152,23 +152,23 @@ def _tile_mask(q0, k0, n_in, max_pos, s: _Static):
                          contextual_seq_len=s.contextual_seq_len, has_targets=s.has_targets)
 
 
-def _load(x_TpxHxW, start, first, n_in, size: int):
+def load(x_TpxHxW, start, first, n_in, size: int):
   """Rows [first, first + size) of the row at `start`, zero past the row (they may be the next row)."""
   x = lax.dynamic_slice_in_dim(x_TpxHxW, start + first, size, axis=0)
   valid_Qx1x1 = (first + jnp.arange(size, dtype=jnp.int32) < n_in)[:, None, None]
   return jnp.where(valid_Qx1x1, x, jnp.zeros((), x.dtype))
 
 
-def _add_rows(acc_TpxHxW, start, value_QxHxW):
+def add_rows(acc_TpxHxW, start, value_QxHxW):
   # Rows past the row's end get exact zeros (their weights are masked), so touching them is harmless.
   old = lax.dynamic_slice_in_dim(acc_TpxHxW, start, value_QxHxW.shape[0], axis=0)
   return lax.dynamic_update_slice_in_dim(acc_TpxHxW, old + value_QxHxW, start, axis=0)
 
 
-class _Ctx:
+class Ctx:
   """Per-call tile table and row metadata shared by the forward and backward loops."""
 
-  def __init__(self, offsets_Bp1, targets_B, bias_HxR, capacity: int, s: _Static):
+  def __init__(self, offsets_Bp1, targets_B, bias_HxR, capacity: int, s: Static):
     self.s = s
     self.start_B, self.n_in_B, self.max_pos_B = _rows(offsets_Bp1, targets_B, s)
     cap = tile_capacity(capacity, offsets_Bp1.shape[0] - 1, s)
@@ -183,11 +183,11 @@ class _Ctx:
     s = self.s
     b, q0, k0 = self.tiles_Cx3[t, 0], self.tiles_Cx3[t, 1], self.tiles_Cx3[t, 2]
     start, n_in, max_pos = self.start_B[b], self.n_in_B[b], self.max_pos_B[b]
-    q_QxHxD = _load(q_TpxHxD, start, q0, n_in, s.block)
-    k_KxHxD = _load(k_TpxHxD, start, k0, n_in, s.block)
-    v_KxHxDv = _load(v_TpxHxDv, start, k0, n_in, s.block)
+    q_QxHxD = load(q_TpxHxD, start, q0, n_in, s.block)
+    k_KxHxD = load(k_TpxHxD, start, k0, n_in, s.block)
+    v_KxHxDv = load(v_TpxHxDv, start, k0, n_in, s.block)
     mask_QxK, d_QxK = _tile_mask(q0, k0, n_in, max_pos, s)
-    logits_HxQxK = s.alpha * _dot("qhd,khd->hqk", q_QxHxD, k_KxHxD)
+    logits_HxQxK = s.alpha * dot("qhd,khd->hqk", q_QxHxD, k_KxHxD)
     dist_QxK = None
     if s.has_bias:
       # Masked pairs may lie past the row (|d| >= N): clip so they index, their weight is zero anyway.
@@ -196,20 +196,20 @@ class _Ctx:
     return start + q0, start + k0, q_QxHxD, k_KxHxD, v_KxHxDv, mask_QxK, dist_QxK, logits_HxQxK
 
 
-def _pad(x_TxHxW, block: int):
+def pad(x_TxHxW, block: int):
   return jnp.pad(x_TxHxW, ((0, block), (0, 0), (0, 0)))
 
 
-def _forward(s: _Static, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR):
+def _forward(s: Static, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR):
   capacity = q_TxHxD.shape[0]
-  ctx = _Ctx(offsets_Bp1, targets_B, bias_HxR, capacity, s)
-  q_p, k_p, v_p = (_pad(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv))
+  ctx = Ctx(offsets_Bp1, targets_B, bias_HxR, capacity, s)
+  q_p, k_p, v_p = (pad(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv))
 
   def body(t, acc_TpxHxDv):
     q_at, _, _, _, v_KxHxDv, mask_QxK, _, logits_HxQxK = ctx.tile(t, q_p, k_p, v_p)
     # `where`, not a multiply, so that masked-out logits can never turn into NaN.
     w_HxQxK = jnp.where(mask_QxK[None], jax.nn.silu(logits_HxQxK), 0.0) / s.max_seq_len
-    return _add_rows(acc_TpxHxDv, q_at, _dot("hqk,khd->qhd", w_HxQxK, v_KxHxDv.astype(jnp.float32)))
+    return add_rows(acc_TpxHxDv, q_at, dot("hqk,khd->qhd", w_HxQxK, v_KxHxDv.astype(jnp.float32)))
 
   acc = jnp.zeros((capacity + s.block,) + v_TxHxDv.shape[1:], jnp.float32)
   acc = vma.like(acc, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
@@ -230,8 +230,8 @@ def _attention_fwd(s, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_H
 def _attention_bwd(s, residuals, dout_TxHxDv):
   q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR = residuals
   capacity = q_TxHxD.shape[0]
-  ctx = _Ctx(offsets_Bp1, targets_B, bias_HxR, capacity, s)
-  q_p, k_p, v_p, do_p = (_pad(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv, dout_TxHxDv))
+  ctx = Ctx(offsets_Bp1, targets_B, bias_HxR, capacity, s)
+  q_p, k_p, v_p, do_p = (pad(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv, dout_TxHxDv))
   num_buckets = bias_HxR.shape[1]
 
   def body(t, carry):
@@ -239,17 +239,17 @@ def _attention_bwd(s, residuals, dout_TxHxDv):
     q_at, k_at, q_QxHxD, k_KxHxD, v_KxHxDv, mask_QxK, dist_QxK, logits_HxQxK = ctx.tile(t, q_p, k_p, v_p)
     # Same row clip as q: rows past the row's end (or tail padding) read as zero.
     rows_left = ctx.n_in_B[ctx.tiles_Cx3[t, 0]] - ctx.tiles_Cx3[t, 1]
-    do_QxHxDv = _load(do_p, q_at, 0, rows_left, s.block).astype(jnp.float32)
+    do_QxHxDv = load(do_p, q_at, 0, rows_left, s.block).astype(jnp.float32)
     sig_HxQxK = jax.nn.sigmoid(logits_HxQxK)
     w_HxQxK = jnp.where(mask_QxK[None], jax.nn.silu(logits_HxQxK), 0.0) / s.max_seq_len
-    dw_HxQxK = _dot("qhd,khd->hqk", do_QxHxDv, v_KxHxDv.astype(jnp.float32))
+    dw_HxQxK = dot("qhd,khd->hqk", do_QxHxDv, v_KxHxDv.astype(jnp.float32))
     dsilu_HxQxK = sig_HxQxK * (1.0 + logits_HxQxK * (1.0 - sig_HxQxK))
     dl_HxQxK = jnp.where(mask_QxK[None], dw_HxQxK * dsilu_HxQxK, 0.0) / s.max_seq_len
-    dq_QxHxD = s.alpha * _dot("hqk,khd->qhd", dl_HxQxK, k_KxHxD.astype(jnp.float32))
-    dk_KxHxD = s.alpha * _dot("hqk,qhd->khd", dl_HxQxK, q_QxHxD.astype(jnp.float32))
-    dq_TpxHxD = _add_rows(dq_TpxHxD, q_at, dq_QxHxD)
-    dk_TpxHxD = _add_rows(dk_TpxHxD, k_at, dk_KxHxD)
-    dv_TpxHxDv = _add_rows(dv_TpxHxDv, k_at, _dot("hqk,qhd->khd", w_HxQxK, do_QxHxDv))
+    dq_QxHxD = s.alpha * dot("hqk,khd->qhd", dl_HxQxK, k_KxHxD.astype(jnp.float32))
+    dk_KxHxD = s.alpha * dot("hqk,qhd->khd", dl_HxQxK, q_QxHxD.astype(jnp.float32))
+    dq_TpxHxD = add_rows(dq_TpxHxD, q_at, dq_QxHxD)
+    dk_TpxHxD = add_rows(dk_TpxHxD, k_at, dk_KxHxD)
+    dv_TpxHxDv = add_rows(dv_TpxHxDv, k_at, dot("hqk,qhd->khd", w_HxQxK, do_QxHxDv))
     if s.has_bias:
       # Masked pairs carry dl = 0, so their (clipped) bucket receives nothing.
       dbias_HxR = dbias_HxR.at[:, ctx.bucket_N[dist_QxK]].add(dl_HxQxK)
@@ -288,7 +288,7 @@ def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int,
   targets_B = _targets(num_targets, num_rows)
   if capacity == 0 or num_rows == 0:  # no tokens or no rows: nothing to attend
     return jnp.zeros_like(v_TxHxDv)
-  s = _Static(max_seq_len, float(alpha), causal, num_targets is not None, max_attn_len,
+  s = Static(max_seq_len, float(alpha), causal, num_targets is not None, max_attn_len,
               contextual_seq_len, block, rel_bias_HxR is not None)
   # Without a bias the loops never read it; a 1-bucket stand-in keeps one custom_vjp signature.
   bias_HxR = rel_bias_HxR if rel_bias_HxR is not None else jnp.zeros((num_heads, 1), jnp.float32)

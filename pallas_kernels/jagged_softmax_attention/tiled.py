@@ -26,7 +26,7 @@ from jax import lax
 
 # The tile list, tile masks and row loads are the HSTU tiled path's own: one construction, one mask.
 from pallas_kernels.hstu_attention import tiled as hstu_tiled
-from pallas_kernels.hstu_attention.tiled import _Ctx, _Static, _add_rows, _dot, _load, _pad
+from pallas_kernels.hstu_attention.tiled import Ctx, Static, add_rows, dot, load, pad
 from pallas_kernels.jagged_softmax_attention.reference import check_offsets, check_shapes
 
 # Same tile list as HSTU attention, so the same pair count.
@@ -52,11 +52,11 @@ def _get_rows(x_TpxW, start, size: int):
   return lax.dynamic_slice_in_dim(x_TpxW, start, size, axis=0)
 
 
-def _forward(s: _Static, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B):
+def _forward(s: Static, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B):
   """(out_TxHxDv f32, lse_TxH f32); tokens with no allowed key (padding) get out 0 and lse 0."""
   capacity, num_heads, _ = q_TxHxD.shape
-  ctx = _Ctx(offsets_Bp1, targets_B, None, capacity, s)
-  q_p, k_p, v_p = (_pad(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv))
+  ctx = Ctx(offsets_Bp1, targets_B, None, capacity, s)
+  q_p, k_p, v_p = (pad(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv))
 
   def body(t, carry):
     m_TpxH, l_TpxH, acc_TpxHxDv = carry
@@ -73,7 +73,7 @@ def _forward(s: _Static, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B):
     # `where`, not a multiply, so that masked-out logits can never turn into NaN.
     p_HxQxK = jnp.where(mask_1xQxK, jnp.exp(logits_HxQxK - shift_QxH.T[:, :, None]), 0.0)
     l_QxH = _get_rows(l_TpxH, q_at, s.block) * rescale_QxH + jnp.sum(p_HxQxK, axis=2).T
-    pv_QxHxDv = _dot("hqk,khd->qhd", p_HxQxK, v_KxHxDv.astype(jnp.float32))
+    pv_QxHxDv = dot("hqk,khd->qhd", p_HxQxK, v_KxHxDv.astype(jnp.float32))
     acc_QxHxDv = _get_rows(acc_TpxHxDv, q_at, s.block) * rescale_QxH[:, :, None] + pv_QxHxDv
     return (_set_rows(m_TpxH, q_at, m_new_QxH), _set_rows(l_TpxH, q_at, l_QxH),
             _set_rows(acc_TpxHxDv, q_at, acc_QxHxDv))
@@ -106,10 +106,10 @@ def _attention_fwd(s, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B):
 def _attention_bwd(s, residuals, dout_TxHxDv):
   q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, out_TxHxDv, lse_TxH = residuals
   capacity = q_TxHxD.shape[0]
-  ctx = _Ctx(offsets_Bp1, targets_B, None, capacity, s)
+  ctx = Ctx(offsets_Bp1, targets_B, None, capacity, s)
   dout_TxHxDv = dout_TxHxDv.astype(jnp.float32)
   delta_TxH = jnp.sum(dout_TxHxDv * out_TxHxDv, axis=2)
-  q_p, k_p, v_p, do_p = (_pad(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv, dout_TxHxDv))
+  q_p, k_p, v_p, do_p = (pad(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv, dout_TxHxDv))
   lse_p, delta_p = (jnp.pad(x, ((0, s.block), (0, 0))) for x in (lse_TxH, delta_TxH))
 
   def body(t, carry):
@@ -117,17 +117,17 @@ def _attention_bwd(s, residuals, dout_TxHxDv):
     q_at, k_at, q_QxHxD, k_KxHxD, v_KxHxDv, mask_QxK, _, logits_HxQxK = ctx.tile(t, q_p, k_p, v_p)
     # Same row clip as q: rows past the row's end (or tail padding) read as zero.
     rows_left = ctx.n_in_B[ctx.tiles_Cx3[t, 0]] - ctx.tiles_Cx3[t, 1]
-    do_QxHxDv = _load(do_p, q_at, 0, rows_left, s.block)
+    do_QxHxDv = load(do_p, q_at, 0, rows_left, s.block)
     lse_HxQx1 = _get_rows(lse_p, q_at, s.block).T[:, :, None]
     delta_HxQx1 = _get_rows(delta_p, q_at, s.block).T[:, :, None]
     p_HxQxK = jnp.where(mask_QxK[None], jnp.exp(logits_HxQxK - lse_HxQx1), 0.0)
-    dp_HxQxK = _dot("qhd,khd->hqk", do_QxHxDv, v_KxHxDv.astype(jnp.float32))
+    dp_HxQxK = dot("qhd,khd->hqk", do_QxHxDv, v_KxHxDv.astype(jnp.float32))
     # `where`: delta of query rows past the row is another row's (maybe NaN), and p = 0 would not stop it.
     dl_HxQxK = jnp.where(mask_QxK[None], p_HxQxK * (dp_HxQxK - delta_HxQx1), 0.0)
-    dq_QxHxD = s.alpha * _dot("hqk,khd->qhd", dl_HxQxK, k_KxHxD.astype(jnp.float32))
-    dk_KxHxD = s.alpha * _dot("hqk,qhd->khd", dl_HxQxK, q_QxHxD.astype(jnp.float32))
-    return (_add_rows(dq_TpxHxD, q_at, dq_QxHxD), _add_rows(dk_TpxHxD, k_at, dk_KxHxD),
-            _add_rows(dv_TpxHxDv, k_at, _dot("hqk,qhd->khd", p_HxQxK, do_QxHxDv)))
+    dq_QxHxD = s.alpha * dot("hqk,khd->qhd", dl_HxQxK, k_KxHxD.astype(jnp.float32))
+    dk_KxHxD = s.alpha * dot("hqk,qhd->khd", dl_HxQxK, q_QxHxD.astype(jnp.float32))
+    return (add_rows(dq_TpxHxD, q_at, dq_QxHxD), add_rows(dk_TpxHxD, k_at, dk_KxHxD),
+            add_rows(dv_TpxHxDv, k_at, dot("hqk,qhd->khd", p_HxQxK, do_QxHxDv)))
 
   padded = capacity + s.block
   init = (jnp.zeros((padded,) + q_TxHxD.shape[1:], jnp.float32),
@@ -159,8 +159,8 @@ def jagged_softmax_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq
   targets_B = _targets(num_targets, num_rows)
   if capacity == 0 or num_rows == 0:  # no tokens or no rows: nothing to attend
     return jnp.zeros_like(v_TxHxDv)
-  # _Static.alpha is the logit multiplier: for softmax attention that is `scale`; there is no bias.
-  s = _Static(max_seq_len, float(scale), causal, num_targets is not None, max_attn_len,
+  # Static.alpha is the logit multiplier: for softmax attention that is `scale`; there is no bias.
+  s = Static(max_seq_len, float(scale), causal, num_targets is not None, max_attn_len,
               contextual_seq_len, block, False)
   return _attention(s, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B)
 
