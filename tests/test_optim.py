@@ -243,3 +243,25 @@ def test_runs_that_differ_in_steps_share_a_program_and_a_restore_takes_the_confi
   (before,), (after,) = sched(state), sched(moved)
   assert float(before.decay_steps) == 10 and float(after.decay_steps) == 1000 and float(after.warmup) == 50
   assert int(after.count) == int(before.count) == 1
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_the_clip_and_the_guard_norm_are_optax_s_to_the_bit(platform):
+  """squared_norm adds the leaves' sums in leaf order on every target (a loop on CPU, a chain elsewhere), so
+  the clip is optax.clip_by_global_norm exactly, above and below its threshold."""
+  from gem_jax import runtime
+  from gem_jax.parallel import target
+  from gem_jax.run import state
+  rng = np.random.default_rng(0)
+  tree = {f"w{i}": jnp.asarray(rng.normal(size=(3 + i, 5)) * 10.0 ** rng.uniform(-3, 1), jnp.float32)
+          for i in range(9)}
+  want_sq = optax.tree.norm(tree, squared=True)
+  dev = target.CPU if platform == "cpu" else target.get("h200")
+  with runtime.using(target=dev):
+    got_sq = jax.jit(lambda t: state.squared_norm(t))(tree)  # a fresh trace under this target
+    assert np.asarray(got_sq).tobytes() == np.asarray(want_sq).tobytes()
+    for max_norm in (0.5 * float(np.sqrt(want_sq)), 2.0 * float(np.sqrt(want_sq))):
+      ours, _ = jax.jit(lambda t: optim.clip_by_global_norm(max_norm).update(t, optax.EmptyState()))(tree)
+      theirs, _ = jax.jit(lambda t: optax.clip_by_global_norm(max_norm).update(t, optax.EmptyState()))(tree)
+      for k in tree:
+        assert np.asarray(ours[k]).tobytes() == np.asarray(theirs[k]).tobytes(), (max_norm, k)

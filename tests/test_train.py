@@ -63,9 +63,10 @@ def test_resume_from_an_empty_folder_starts_at_step_zero(tmp_path):
 
 @pytest.mark.slow
 def test_hook_order_does_not_matter(tmp_path):
-  """The standard hooks in their usual order and reversed, each run stopped at step 8 (a checkpoint and an
-  evaluation on the same step) and resumed: the same metrics.jsonl records (timings aside: keys and every
-  other value) and the same evaluations in the summary as an unbroken run in the usual order."""
+  """The standard hooks reversed, the run stopped at step 8 (a checkpoint and an evaluation on the same step)
+  and resumed: the same metrics.jsonl records (timings aside: keys and every other value) and the same
+  evaluations in the summary as an unbroken run in the usual order (the usual order's own stop and resume:
+  test_tiny_run_writes_outputs_and_resume_is_exact)."""
   from gem_jax.run.build import build
   from gem_jax.train import trainer
   from gem_jax.train.jobs import standard_hooks
@@ -77,7 +78,7 @@ def test_hook_order_does_not_matter(tmp_path):
     return trainer.train(r, str(tmp_path / out), hooks if order == "usual" else hooks[::-1], **kw)
 
   unbroken = run("unbroken", "usual")
-  for order in ("usual", "reversed"):
+  for order in ("reversed",):
     run(order, order, stop_after=8)
     resumed = run(order, order, resume=True)
     assert fault_drill.identical(resumed["evaluations"], unbroken["evaluations"]), order

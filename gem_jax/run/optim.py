@@ -32,6 +32,7 @@ from flax import nnx
 
 from gem_jax.config import TrainConfig
 from gem_jax.run import table_optim
+from gem_jax.run.state import global_norm
 
 TABLE = "table"
 DENSE = "dense"
@@ -212,6 +213,20 @@ class Optimizer:
     return state._replace(inner_states=inner)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """optax.clip_by_global_norm with the norm computed once (squared_norm's barrier): the same arithmetic,
+  leaf by leaf, and the same (empty) state."""
+
+  def update(updates, state, params=None):
+    del params
+    norm = global_norm(updates)
+    below = norm < max_norm
+    return jax.tree_util.tree_map(lambda t: jax.lax.select(below, t, (t / norm.astype(t.dtype)) * max_norm),
+                                  updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(cfg: TrainConfig, params, table_type: type | None = None,
                    total_steps: int | None = None) -> Optimizer:
   """Tables -> their row rule (train.embedding_optimizer, default row-wise Adagrad); everything else ->
@@ -224,7 +239,7 @@ def make_optimizer(cfg: TrainConfig, params, table_type: type | None = None,
   # AdamW as optax.adamw composes it (Adam's scaling, decoupled weight decay, -lr), with the schedule's
   # numbers in the state (ScheduleState).
   dense = optax.chain(
-      optax.clip_by_global_norm(cfg.grad_clip_norm),
+      clip_by_global_norm(cfg.grad_clip_norm),
       optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=1e-8),
       optax.add_decayed_weights(cfg.weight_decay, mask=_lookup(known, lambda label, ndim: label == DENSE and ndim >= 2)),
       scale_by_schedule_in_state(schedule_numbers(cfg, total_steps)),

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gem_jax import runtime
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +36,19 @@ def init_state(params, optimizer: optax.GradientTransformation, rng) -> TrainSta
 
 
 def squared_norm(tree) -> jax.Array:
-  """The sum of squares of every leaf, in float32, added in leaf order."""
-  return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(tree)),
-             jnp.zeros((), jnp.float32))
+  """The sum of squares of every leaf, in float32, added in leaf order: ((0 + s_0) + s_1) + ...
+
+  Every leaf's update reads this sum (through the non-finite guard and the clip), and XLA fuses a chain of
+  scalar adds into each of its consumers: leaves x leaves instructions. On CPU targets the sum is a loop
+  over the leaves' sums instead, which XLA does not copy: on tiny's cpu_8 train step the chain took 30,000
+  of 81,000 instructions and a quarter of the compile (24 s instead of 32 s for the same program otherwise;
+  the same additions in the same order, so the same bits). Other targets keep the chain: a loop there would
+  cost a kernel launch per leaf in every step."""
+  sums = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(tree)]
+  if runtime.platform() != "cpu" or len(sums) < 2:
+    return sum(sums, jnp.zeros((), jnp.float32))
+  sums_L = jnp.stack(sums)
+  return jax.lax.fori_loop(0, len(sums), lambda i, acc: acc + sums_L[i], jnp.zeros((), jnp.float32))
 
 
 def global_norm(tree) -> jax.Array:

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from gem_jax import runtime, scopes
 from gem_jax.model.embeddings import Table
 from gem_jax.parallel import lookups, placement, spmd
+from gem_jax.parallel import target as target_lib
 from gem_jax.parallel.placement import Placement
 from gem_jax.parallel.rules import DATA_AXES, MESH_AXES
 from gem_jax.run import table_update as table_update_lib
@@ -93,6 +94,11 @@ def make_train_step(graphdef, rest, optimizer, task, plan: Placement, state: Tra
                          out_specs=(P(), (P(), update.read_specs(calls))))
 
   def train_step(state: TrainState, batch):
+    # The whole step sees the target it is built for (squared_norm's form; inside shard_map, spmd.installed).
+    with runtime.using(target=target_lib.of(plan.mesh, plan.spec)):
+      return step_body(state, batch)
+
+  def step_body(state: TrainState, batch):
     chex.assert_tree_shape_prefix(batch, (plan.num_data_shards,))  # one slice per data shard (at trace time)
     calls = update.calls(batch)
     tables, dense = nnx.split_state(state.params, Table, ...)
