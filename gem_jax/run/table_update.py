@@ -59,7 +59,7 @@ from gem_jax.model.embeddings import Table
 from gem_jax.parallel import sparse, spmd
 from gem_jax.parallel.lookups import LookupCall
 from gem_jax.parallel.rules import DATA_AXES
-from gem_jax.run.state import squared_norm
+from gem_jax.run.state import ordered_sum, squared_norm
 
 COPY_AXES = ("context", "tensor")  # devices along these hold the same data shard
 
@@ -459,7 +459,7 @@ class SparseTables(TableUpdate):
 
   def _update(self, calls, blocks, slots, ids_by_call, cots_by_call, finite, count):
     """The update stage on one device: -> (blocks, slots, tables' squared norm, finite, stats)."""
-    merged, sq = {}, jnp.zeros((), jnp.float32)
+    merged = {}
     for t, name in enumerate(self.names):
       mine = [i for i, c in enumerate(calls) if c.table == name]
       if not mine:
@@ -468,7 +468,7 @@ class SparseTables(TableUpdate):
         ids_N = jnp.concatenate([ids_by_call[i] for i in mine])
         g_NxE = jnp.concatenate([cots_by_call[i] for i in mine]).astype(jnp.float32)
         merged[name] = merge_table(self.layout(name), blocks[t].shape, ids_N, g_NxE, tuple(calls[i].ids for i in mine))
-      sq = sq + merged[name].sq
+    sq = ordered_sum(m.sq for m in merged.values())
     finite = finite & jnp.isfinite(sq)
     new_blocks, new_slots = list(blocks), [list(s) for s in slots]
     for t, name in enumerate(self.names):
