@@ -20,11 +20,13 @@ from gem_jax.bench import fp8_parity, fp8_probe
 from gem_jax.config import apply_overrides
 from gem_jax.data import pipeline
 
+# The jobs' machinery does not depend on the depth: tiny with one GEM layer compiles in half the time.
+ONE_LAYER = ("model.num_layers=1", "model.hstu.keep_last=[32]")
 
 
 @pytest.mark.slow
 def test_probe_gives_rows_and_a_usable_proposal(capsys):
-  data = fp8_probe.probe_run(configs.get("tiny"), batches=1, sites="layers.0.hstu.*")
+  data = fp8_probe.probe_run(apply_overrides(configs.get("tiny"), list(ONE_LAYER)), batches=1, sites="layers.0.hstu.*")
   assert {r["site"] for r in data["sites"]} == {"layers.0.hstu.uvqk", "layers.0.hstu.out"}
   for r in data["sites"]:
     assert all(math.isfinite(v) for q in r["snr_db"].values() for v in q.values())
@@ -39,10 +41,10 @@ def test_probe_gives_rows_and_a_usable_proposal(capsys):
 def test_parity_over_seeds_reports_gaps_a_noise_floor_and_the_same_numbers_in_parallel(tmp_path):
   # bf16 against "none" (no policy): the parity machinery is the same for every policy, and an FP8 policy's
   # CPU compile costs a minute more (FP8 training itself: test_precision_policy.py, the bench test below).
-  # tiny's own schedule (20 steps, warmup 2): the bf16 run's step is then the very program
+  # tiny's own schedule (20 steps, warmup 2), one layer: the bf16 run's step is then the very program
   # test_parity_step_memory compiles (the session's compilation cache serves it to both, and to the workers).
   cfg = apply_overrides(configs.get("tiny"), ["train.eval_every=100", "train.checkpoint_every=100",
-                                               "model.precision.min_dim=16"])
+                                               "model.precision.min_dim=16", *ONE_LAYER])
   data = fp8_parity.parity(cfg, ["bf16", "none"], str(tmp_path / "runs"), str(tmp_path / "parity.json"),
                            seeds=2, jobs=2)
   assert data["baseline"] == "bf16" and set(data["policies"]) == {"bf16", "none"} and data["seeds"] == [0, 1]
@@ -132,8 +134,9 @@ def test_seeds_change_the_initial_parameters_and_the_batches_but_not_the_world()
 
 def test_parity_step_memory():
   """--memory's per-policy numbers: the compiled train step's memory analysis (one policy, one compile;
-  tiny's bf16 step, which the parity test's bf16 run has usually compiled into compile_cache already)."""
-  cfg = fp8_parity.with_policy(configs.get("tiny"), "bf16")  # the analysis is the same code for every policy
+  one-layer tiny's bf16 step, which the parity test's bf16 run has usually compiled into compile_cache already)."""
+  # The analysis is the same code for every policy.
+  cfg = fp8_parity.with_policy(apply_overrides(configs.get("tiny"), list(ONE_LAYER)), "bf16")
   mem = fp8_parity.step_memory(cfg)
   assert mem["temp_size_in_bytes"] > 0 and mem["argument_size_in_bytes"] > 0
 
@@ -147,7 +150,7 @@ def test_fp8_bench_checks_every_kernel_against_the_emulation():
   gemm = bench.bench_gemm(512, 64, 96, reps=1, rows=bench.gemm_impls(on_gpu=False), rng=rng)
   assert {(r["recipe"], r["impl"]) for r in gemm} >= {("bf16", "xla"), ("rowwise", "xla"), ("mxfp8", "emulate")}
   records = bench.with_ratios(gemm + bench.bench_train_gemm(512, 64, 96, reps=1, rng=rng)
-                              + bench.bench_step("tiny", ["bf16", "fp8"], reps=1))
+                              + bench.bench_step("tiny", ["bf16", "fp8"], reps=1, sets=ONE_LAYER))
   for r in records:
     if r["table"] == "gemm":
       assert r["error"] is None, r

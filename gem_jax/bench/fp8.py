@@ -84,15 +84,16 @@ def bench_train_gemm(m, k, n, *, reps: int, rng,
   return records
 
 
-def bench_step(config: str, policies, *, reps: int) -> list[dict]:
-  """Median ms of the train step of `config` on one batch under each precision policy."""
+def bench_step(config: str, policies, *, reps: int, sets=()) -> list[dict]:
+  """Median ms of the train step of `config` (with the overrides `sets`) on one batch under each precision
+  policy."""
   from gem_jax import configs
   from gem_jax.config import apply_overrides
   from gem_jax.run.build import build
 
   records = []
   for name in policies:
-    run = build(apply_overrides(configs.get(config), [f"model.precision.policy={name}"]))
+    run = build(apply_overrides(configs.get(config), [*sets, f"model.precision.policy={name}"]))
     batch = run.device_batch(run.source.first_batch())
     state = run.state
     for _ in range(3):   # compile, then let allocations settle before timing

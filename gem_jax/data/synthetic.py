@@ -181,6 +181,9 @@ def _check_spec(spec: FeatureSpec) -> None:
     raise ValueError("sequence.max_len must be >= 1")
 
 
+_CALIBRATED: dict[tuple, tuple[float, float]] = {}   # (spec, config) -> (click bias, conversion bias)
+
+
 class SyntheticAdsStream:
   """Deterministic blocks of synthetic ads examples with planted labels (see the module docstring)."""
 
@@ -221,12 +224,17 @@ class SyntheticAdsStream:
     self._domain_p = 0.5**np.arange(self._D) / (0.5**np.arange(self._D)).sum()
     hour_w = 1.0 + 0.6 * np.sin(2.0 * np.pi * (np.arange(self._H) / self._H - 0.3))
     self._hour_p = hour_w / hour_w.sum()
-    # The biases make the mean rates match the config; fitted once on a calibration sample.
-    self._click_bias = self._conv_bias = 0.0
-    _, parts, conv_z = self._draw(self._rng(_CALIBRATION_TAG, 0), cfg.calibration_examples)
-    click_z = sum(parts.values())
-    self._click_bias = _fit_bias(click_z, cfg.click_rate)
-    self._conv_bias = _fit_bias(conv_z, cfg.conversion_rate, weights=_sigmoid(click_z + self._click_bias))
+    # The biases make the mean rates match the config; fitted on a calibration sample, once per process for
+    # each (spec, config): they are functions of the two alone, and drawing the sample takes seconds for the
+    # GPU configs' long histories (xl: 15 s), which a process that builds a config twice would pay twice.
+    key = (spec, cfg)
+    if key not in _CALIBRATED:
+      self._click_bias = self._conv_bias = 0.0
+      _, parts, conv_z = self._draw(self._rng(_CALIBRATION_TAG, 0), cfg.calibration_examples)
+      click_z = sum(parts.values())
+      click_bias = _fit_bias(click_z, cfg.click_rate)
+      _CALIBRATED[key] = (click_bias, _fit_bias(conv_z, cfg.conversion_rate, weights=_sigmoid(click_z + click_bias)))
+    self._click_bias, self._conv_bias = _CALIBRATED[key]
 
   # ---- hidden attributes (pure functions of ids) ------------------------------------------------------
   def ad_category(self, ad_id: np.ndarray) -> np.ndarray:

@@ -307,7 +307,12 @@ def collectives(hlo_text: str, mesh: Any) -> list[Collective]:
 _RECENT: dict[tuple, tuple[Collective, ...]] = {}
 
 
+_ANY_KIND = re.compile(r"\s(?:" + "|".join(re.escape(k) for k in KINDS) + r")(?:-start)?\(")
+
+
 def _collectives(hlo_text: str, names: tuple[str, ...], mesh_shape: tuple[int, ...]) -> tuple[Collective, ...]:
+  if not _ANY_KIND.search(hlo_text) and " async-start(" not in hlo_text:
+    return ()   # nothing to parse for (one device's programs: 60,000 instructions for tiny's train step)
   mod = parse_module(hlo_text)
   n = math.prod(mesh_shape)
   count, cond = reach(mod)
