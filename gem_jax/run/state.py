@@ -43,7 +43,8 @@ def ordered_sum(xs) -> jax.Array:
   instructions. On tiny's cpu_8 train step the chains took 33,000 of 81,000 instructions and a third of the
   compile (13.0 s -> 9.0 s here; one device 8.2 s -> 5.1 s); the same additions in the same order, so the
   same bits (the same losses to the last digit).
-  Other targets keep the chain: a loop there would cost a kernel launch per term in every step."""
+  Other targets keep the chain: a loop there would cost a kernel launch per term in every step, and XLA:GPU
+  does not copy it (tiny's H200 train step: its ~500 adds sit in three scalar fusions)."""
   xs = list(xs)
   if runtime.platform() != "cpu" or len(xs) < 2:
     return sum(xs, jnp.zeros((), jnp.float32))
