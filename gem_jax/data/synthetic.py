@@ -233,7 +233,8 @@ class SyntheticAdsStream:
       _, parts, conv_z = self._draw(self._rng(_CALIBRATION_TAG, 0), cfg.calibration_examples)
       click_z = sum(parts.values())
       click_bias = _fit_bias(click_z, cfg.click_rate)
-      _CALIBRATED[key] = (click_bias, _fit_bias(conv_z, cfg.conversion_rate, weights=_sigmoid(click_z + click_bias)))
+      conv_bias = _fit_bias(conv_z, cfg.conversion_rate, weights=_sigmoid(click_z + click_bias))
+      _CALIBRATED[key] = (click_bias, conv_bias)
     self._click_bias, self._conv_bias = _CALIBRATED[key]
 
   # ---- hidden attributes (pure functions of ids) ------------------------------------------------------

@@ -46,7 +46,6 @@ _DTYPE_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf
 _LEAF = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](\{[^}]*\})?")
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
 _NAME = r"%?([\w.\-]+)"
-_BRACKET = re.compile(r"[()\[\]{}]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +86,6 @@ def shape_bytes(shape: str) -> int:
 
 def _split_top(text: str) -> list[str]:
   """Split at commas outside any bracket."""
-  if not _BRACKET.search(text):   # most operand lists: names only
-    parts = [part.strip() for part in text.split(",")]
-    return parts if parts[-1] else parts[:-1]
   parts, depth, start = [], 0, 0
   for i, ch in enumerate(text):
     depth += ch in "([{"

@@ -214,8 +214,8 @@ class Optimizer:
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-  """optax.clip_by_global_norm with the norm computed once (squared_norm's barrier): the same arithmetic,
-  leaf by leaf, and the same (empty) state."""
+  """optax.clip_by_global_norm on state.global_norm (ordered_sum's form, which XLA:CPU does not copy into
+  every leaf's update): the same arithmetic, leaf by leaf, and the same (empty) state."""
 
   def update(updates, state, params=None):
     del params
