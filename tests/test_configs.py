@@ -20,21 +20,34 @@ _SCALE = {"K": 1e3, "M": 1e6, "B": 1e9}
 GEM_CONFIGS = sorted(n for n in configs.CONFIGS if isinstance(configs.get(n).task, AdsMultiTaskConfig))
 
 
-def _abstract(name, request):
-  """build(cfg, abstract=True) of a named config; the next-item configs skip where their data is absent, and
-  the Parquet ones read the files the session prepares (conftest.py), or skip where those cannot be made."""
-  cfg = configs.get(name)
-  if isinstance(cfg.data, parquet_source.ParquetDataConfig):
-    cfg = parquet_source.with_files(cfg, request.getfixturevalue("movielens_prepared"))
-  try:
-    return cfg, build(cfg, abstract=True)
-  except FileNotFoundError as e:
-    pytest.skip(f"{name}: {e} (set GEM_JAX_DATA_DIR to the shared data root)")
+@pytest.fixture(scope="module")
+def built() -> dict:
+  """The abstract runs the tests of this module have built, by config name: the docstring test and the
+  train-step test of a config share one build (xl's synthetic stream alone takes 15 s to calibrate), and
+  sharing this fixture keeps them on one xdist worker (conftest.py)."""
+  return {}
+
+
+def _abstract(name, request, built):
+  """build(cfg, abstract=True) of a named config, once per module; the next-item configs skip where their data
+  is absent, and the Parquet ones read the files the session prepares (conftest.py), or skip where those
+  cannot be made."""
+  if name not in built:
+    cfg = configs.get(name)
+    if isinstance(cfg.data, parquet_source.ParquetDataConfig):
+      cfg = parquet_source.with_files(cfg, request.getfixturevalue("movielens_prepared"))
+    try:
+      built[name] = cfg, build(cfg, abstract=True)
+    except FileNotFoundError as e:
+      built[name] = f"{name}: {e} (set GEM_JAX_DATA_DIR to the shared data root)"
+  if isinstance(built[name], str):
+    pytest.skip(built[name])
+  return built[name]
 
 
 @pytest.mark.parametrize("name", GEM_CONFIGS)
-def test_docstring_numbers_are_the_computed_ones(name, request):
-  cfg, run = _abstract(name, request)
+def test_docstring_numbers_are_the_computed_ones(name, request, built):
+  cfg, run = _abstract(name, request, built)
   m = _DOC.search(configs.CONFIGS[name].__doc__)
   assert m, f"config {name}: docstring lacks the params / FLOPs line"
   sparse, dense = float(m[1]) * _SCALE[m[2]], float(m[3]) * _SCALE[m[4]]
@@ -46,10 +59,10 @@ def test_docstring_numbers_are_the_computed_ones(name, request):
 
 
 @pytest.mark.parametrize("name", sorted(configs.CONFIGS))
-def test_every_config_traces_a_train_step(name, request):
+def test_every_config_traces_a_train_step(name, request, built):
   """GPU-scale tables cannot be allocated here, so the one train step is traced on abstract values (shapes
   and dtypes all the way through model, loss and optimizer) on a batch of the config's own source."""
-  cfg, run = _abstract(name, request)
+  cfg, run = _abstract(name, request, built)
   batch = run.device_batch(run.source.row_batch(min(run.source.max_length(), 8)))
   new_state, metrics = jax.eval_shape(run.train_step, run.state, batch)
   assert metrics["loss"].shape == () and new_state.step.dtype == jnp.int32 and metrics["nonfinite"].shape == ()
