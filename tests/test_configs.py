@@ -23,7 +23,7 @@ GEM_CONFIGS = sorted(n for n in configs.CONFIGS if isinstance(configs.get(n).tas
 @pytest.fixture(scope="module")
 def built() -> dict:
   """The abstract runs the tests of this module have built, by config name: the docstring test and the
-  train-step test of a config share one build (xl's synthetic stream alone takes 15 s to calibrate), and
+  train-step test of a config share one build (an abstract build of xl traces for 10 s), and
   sharing this fixture keeps them on one xdist worker (conftest.py)."""
   return {}
 

@@ -225,8 +225,8 @@ class SyntheticAdsStream:
     hour_w = 1.0 + 0.6 * np.sin(2.0 * np.pi * (np.arange(self._H) / self._H - 0.3))
     self._hour_p = hour_w / hour_w.sum()
     # The biases make the mean rates match the config; fitted on a calibration sample, once per process for
-    # each (spec, config): they are functions of the two alone, and drawing the sample takes seconds for the
-    # GPU configs' long histories (xl: 15 s), which a process that builds a config twice would pay twice.
+    # each (spec, config): they are functions of the two alone, and drawing the sample takes seconds at long
+    # histories (xl: 9 s at the default 65536 requests), which a process building a config twice would repeat.
     key = (spec, cfg)
     if key not in _CALIBRATED:
       self._click_bias = self._conv_bias = 0.0
