@@ -50,6 +50,13 @@ class TrainConfig:
   embedding_learning_rate: float = 0.05
   adagrad_initial_accumulator: float = 0.0
   adagrad_eps: float = 1e-8
+  # Host tables (gem_jax/run/host_tables.py): these tables keep their rows and row-optimizer slots in host
+  # memory, and the device a cache of host_cache_rows rows each (0: host_cache_fraction of the table's rows),
+  # filled a step ahead by the host; victims by host_cache_policy, "lru" or "lfu".
+  host_tables: tuple[str, ...] = ()
+  host_cache_fraction: float = 0.2
+  host_cache_rows: int = 0
+  host_cache_policy: str = "lru"
   # Cadence.
   eval_every: int = 100
   eval_examples: int = 4096
@@ -115,6 +122,13 @@ class TrainConfig:
     for name in ("epochs", "eval_every_epochs", "patience", "profile_steps"):
       if getattr(self, name) < 0:
         raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+    if not 0.0 < self.host_cache_fraction <= 1.0 or self.host_cache_rows < 0:
+      raise ValueError(f"TrainConfig: host_cache_fraction must be in (0, 1] and host_cache_rows >= 0, got "
+                       f"{self.host_cache_fraction} and {self.host_cache_rows}")
+    if self.host_cache_policy not in ("lru", "lfu"):
+      raise ValueError(f"TrainConfig.host_cache_policy must be 'lru' or 'lfu', got {self.host_cache_policy!r}")
+    if len(set(self.host_tables)) != len(self.host_tables):
+      raise ValueError(f"TrainConfig.host_tables names a table twice: {list(self.host_tables)}")
     if self.max_train_minutes < 0:
       raise ValueError(f"TrainConfig.max_train_minutes must be >= 0, got {self.max_train_minutes}")
 

@@ -21,6 +21,7 @@ step (gem_jax/run/step.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -37,7 +38,7 @@ from gem_jax.parallel import mesh as mesh_lib
 from gem_jax.parallel import host_exchange, lookups, placement
 from gem_jax.parallel import target as target_lib
 from gem_jax.parallel.rules import DATA_AXES
-from gem_jax.run import optim, step as step_lib, tasks
+from gem_jax.run import host_tables as host_tables_lib, optim, step as step_lib, tasks
 from gem_jax.run.state import TrainState, init_state
 
 # Registers the next-item task and source and the Parquet source with their registries (their own files).
@@ -63,6 +64,7 @@ class Run:
   lookups: lookups.LookupTrace   # the model's lookup calls per batch shape, one count-only trace each
   train_step: Callable | None = None   # jitted (gem_jax/run/step.py); None on an abstract mesh
   eval_step: Callable | None = None
+  tables: host_tables_lib.HostTables | None = None   # train.host_tables (gem_jax/run/host_tables.py)
   _exchange: host_exchange.Exchange = dataclasses.field(default_factory=lambda: host_exchange.Exchange("feed"),
                                                         repr=False)
 
@@ -117,7 +119,12 @@ class Run:
     """(the device batch, the task's host counters of the whole step) of a training batch; for a Part, the
     processes agree on the history capacity and sum their counters in one exchange."""
     if not isinstance(host_batch, shards.Part):
-      return self.place(self.shard(host_batch)), self.task.count(host_batch)
+      sharded = self.shard(host_batch)
+      if self.tables is not None:  # ids to cache slots; the rows they miss staged for the step's swap
+        sharded = self.tables.remap(sharded)
+      return self.place(sharded), self.task.count(host_batch)
+    if self.tables is not None:
+      raise NotImplementedError("host tables with several data readers (data.readers > 1) are not supported yet")
     counts: dict = {}
     for b in host_batch.batches:
       for k, v in self.task.count(b).items():
@@ -144,6 +151,27 @@ class Run:
   def abstract_state(self) -> TrainState:
     """The restore target: shapes, dtypes and this run's shardings (a checkpoint from any mesh fits)."""
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+
+  def whole_params(self, params):
+    """`params` with host tables whole (a view of their stores, for an evaluation now); else `params`."""
+    return params if self.tables is None else self.tables.whole_params(params)
+
+  def restore_target(self):
+    """The checkpoint restore target: abstract_state(), with host tables whole (checkpoints hold them so)."""
+    target = self.abstract_state()
+    return target if self.tables is None else self.tables.whole_target(target)
+
+  def load_whole(self, state):
+    """A restored state (host tables whole) as this run trains it: host tables into their stores, empty
+    caches placed on the mesh. Without host tables, `state` itself."""
+    if self.tables is None:
+      return state
+    return placement.place_state(self.tables.load_whole(state), self.plan)
+
+  def whole(self, state):
+    """`state` with host tables whole (their stores, flushed and copied): what a checkpoint or a kept set of
+    parameters holds. Without host tables, `state` itself."""
+    return state if self.tables is None else self.tables.full_state(state)
 
   def eval_batches(self, split: str) -> list:
     """The split's host batches, sharded (cached by the source's list; the shards are cheap to redo)."""
@@ -183,11 +211,18 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
   model = nnx.eval_shape(make_model)
   check.check_tensor_parallel(nnx.state(model, nnx.Param), mesh_spec)
   allocate = not (abstract or compile_only)
+  host_names = tuple(cfg.train.host_tables)
+  if host_names and not isinstance(task, tasks.AdsMultiTask):
+    raise ValueError(f"train.host_tables={list(host_names)}: host tables need the ads task (its batches read tables "
+                     f"only through lookups); this config's task is {type(task).__name__}")
+  # With host tables the whole state is made in host memory first: their rows never have to fit a device.
+  on_host = (jax.default_device(jax.devices("cpu")[0]) if host_names and allocate else contextlib.nullcontext())
   if allocate:
     # Initialized by one compiled program: eager init compiles every initializer op on its own (about 90
     # small programs for GEM, most of a small run's start-up), and one program is also what the persistent
     # compilation cache can keep.
-    model = nnx.merge(nnx.split(model)[0], jax.jit(lambda: nnx.state(make_model()))())
+    with on_host:
+      model = nnx.merge(nnx.split(model)[0], jax.jit(lambda: nnx.state(make_model()))())
   per_epoch = source.steps_per_epoch()
   total = cfg.train.epochs * per_epoch if cfg.train.epochs and per_epoch else cfg.train.steps
   optimizer = optim.make_optimizer(cfg.train, nnx.state(model, nnx.Param), total_steps=total)
@@ -204,8 +239,12 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
   else:
     mesh = mesh_lib.build_mesh(mesh_spec, devices)
     # One program for the optimizer state and the key too (eagerly, each leaf's zeros would compile alone).
-    state = jax.jit(lambda p: init_state(p, optimizer, task.train_key(seed)))(params)
-  p = placement.of(state.params, mesh, mesh_spec)
+    with on_host:
+      state = jax.jit(lambda p: init_state(p, optimizer, task.train_key(seed)))(params)
+  p = placement.of(state.params, mesh, mesh_spec)  # host tables placed as their whole selves would be
+  stores = {}
+  if host_names:
+    stores, state = host_tables_lib.make(cfg, state, p, source.spec, dict(mesh.shape))
   if not allocate:
     shardings = placement.state_shardings(state, p)
     state = jax.tree_util.tree_map(
@@ -225,6 +264,9 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
     run.train_step = step_lib.make_train_step(graphdef, rest, optimizer, task, p, state, capacities,
                                               cfg.train.embedding_update, sync_capacities, lookup_trace)
     run.eval_step = step_lib.make_eval_step(graphdef, rest, task, p, state.params, capacities)
+  if stores:
+    run.tables = host_tables_lib.HostTables(stores, source.spec, mesh, placement.state_shardings(state, p))
+    run.train_step = host_tables_lib.SwappingStep(run.train_step, run.tables)
   return run
 
 

@@ -85,7 +85,8 @@ class Checkpoint(Hook):
     if not resume:
       raise FileExistsError(f"{t.out_dir} already holds checkpoints (last step {latest}): pass --resume to "
                             "continue that run, or choose another --out")
-    step, state, extra = ckpt.restore(abstract_state=t.run.abstract_state())
+    step, state, extra = ckpt.restore(abstract_state=t.run.restore_target())
+    state = t.run.load_whole(state)
     # The schedule's numbers are this config's, not the checkpoint's (optim.ScheduleState).
     t.state = type(state)(state.params, t.run.optimizer.with_schedule(state.opt_state), state.step, state.rng)
     t.step = t.start_step = step
@@ -111,7 +112,8 @@ class Checkpoint(Hook):
              "counter_dtypes": {k: str(np.asarray(v).dtype) for k, v in t.counters.items()},
              "hooks": {h.key: h.state_dict() for h in t.hooks}}
     # A copy: the next step donates the state, and an async save must not read donated buffers.
-    self.checkpointer.save(t.step, _copy(t.state), extra, force=True)
+    self.checkpointer.save(t.step, _copy(t.state) if t.run.tables is None else t.run.whole(t.state), extra,
+                           force=True)
     t.event("save_started", t.step)
 
   def end_training(self, t) -> None:
@@ -188,7 +190,7 @@ class Evaluate(Hook):
     t.mark_busy(t.step)
     split = t.run.source.eval_splits[0]
     t.drain()  # the mean train loss since the last evaluation includes this step
-    evaluation = trainer_lib.evaluate(t.run, t.state.params, split)
+    evaluation = trainer_lib.evaluate(t.run, t.run.whole_params(t.state.params), split)
     record = {"eval_step": t.step, **_loggable(evaluation, split)}
     if self.steps_per_epoch:
       record["epoch"] = t.step // self.steps_per_epoch
@@ -212,7 +214,8 @@ class Evaluate(Hook):
     if self.best["score"] is None or score > self.best["score"]:
       self.best = {"score": score, "step": t.step}
       self.bad = 0
-      self.best_dir.save(t.step, _copy(t.state.params), force=True)
+      self.best_dir.save(t.step, _copy(t.state.params) if t.run.tables is None else t.run.whole(t.state).params,
+                         force=True)
     else:
       self.bad += 1
     if self.patience and self.bad >= self.patience:
@@ -220,7 +223,7 @@ class Evaluate(Hook):
 
   def end_training(self, t) -> None:
     if self.select and self.best["step"] is not None:
-      _, t.params_for_eval, _ = self.best_dir.restore(self.best["step"], abstract_state=t.run.abstract_state().params)
+      _, t.params_for_eval, _ = self.best_dir.restore(self.best["step"], abstract_state=t.run.restore_target().params)
 
   def summary(self, t) -> dict:
     out = {"evaluations": self.history}

@@ -58,7 +58,7 @@ def evaluate_checkpoint(cfg, out_dir: str, step: int | None = None, devices=None
   run = build(cfg, devices=devices)
   with Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.train.keep_checkpoints,
                     save_every=cfg.train.checkpoint_every) as ckpt:
-    step, state, _ = ckpt.restore(step, abstract_state=run.abstract_state())
+    step, state, _ = ckpt.restore(step, abstract_state=run.restore_target())  # host tables whole: evaluate reads them so
     fallbacks = [fb.as_dict() for fb in ckpt.fallbacks]
   evaluation = {split: trainer.evaluate(run, state.params, split) for split in run.source.eval_splits}
   return {"step": step, "mesh": run.mesh_spec.name, "devices": run.mesh_spec.num_devices,

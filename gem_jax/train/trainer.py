@@ -139,7 +139,8 @@ class Trainer:
     (optim.ScheduleState); FileNotFoundError when there is none (or no checkpoints at all)."""
     if self.checkpointer is None:
       raise FileNotFoundError("this run keeps no checkpoints")
-    restored_step, state, _ = self.checkpointer.restore(abstract_state=self.run.abstract_state(), max_step=step)
+    restored_step, state, _ = self.checkpointer.restore(abstract_state=self.run.restore_target(), max_step=step)
+    state = self.run.load_whole(state)
     return restored_step, type(state)(state.params, self.run.optimizer.with_schedule(state.opt_state), state.step,
                                       state.rng)
 
@@ -235,7 +236,7 @@ def train(run, out_dir: str, hooks: list, *, resume: bool = False, stop_after: i
             **_parts(t, "partial")}
 
   # ---- final evaluation and summary ----------------------------------------------------------------------
-  params = t.params_for_eval if t.params_for_eval is not None else t.state.params
+  params = t.params_for_eval if t.params_for_eval is not None else run.whole_params(t.state.params)
   evaluation = {split: evaluate(run, params, split) for split in run.source.eval_splits}
   task_summary = run.task.summarize(evaluation, t.counters)
   for h in t.hooks:
@@ -268,7 +269,11 @@ def evaluate(run, params, split: str) -> dict:
   """The task's metrics of `params` on an evaluation split of the run's source (sharded, placed, predicted
   on the mesh; metrics on the host)."""
   batches = run.eval_batches(split)
-  predictions = [np.asarray(run.eval_step(params, run.place(b))) for b in batches]
+  if run.tables is None:
+    predictions = [np.asarray(run.eval_step(params, run.place(b))) for b in batches]
+  else:  # `params` hold host tables whole (Run.whole_params): each batch gets just the rows it reads
+    views = (run.tables.eval_view(params, b) for b in batches)
+    predictions = [np.asarray(run.eval_step(p, run.place(b))) for p, b in views]
   return run.task.evaluate(predictions, batches)
 
 

@@ -1,0 +1,185 @@
+"""Host tables (gem_jax/run/host_tables.py): the slot policy of one cache, the batch's ids rewritten to slots,
+and training with tables in host memory bit for bit equal to training with them on the device, through
+evictions, on one device and on a mesh where the tables' rows are sharded, through a checkpoint taken with
+one cache size and restored with another, and in evaluation."""
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from gem_jax.data.spec import ads_feature_spec
+from gem_jax.run import host_tables
+from gem_jax.run.build import build
+from gem_jax.run.host_tables import CacheTooSmall, RowCache
+from gem_jax.train import jobs
+from gem_jax.train.checkpoint import Checkpointer, fingerprint
+from tests import run_helpers
+
+HOST = 'train.host_tables=["ad_id","user_id"]'
+STEPS = 8
+
+
+# ---- one cache's slots ------------------------------------------------------------------------------------
+
+def test_empty_slots_fill_first_then_lru_gives_up_the_slot_read_longest_ago():
+  c = RowCache(num_rows=100, slots=4, policy="lru")
+  slots, fill_slots, fill_rows, evicted = c.plan(np.array([10, 20, 30]))
+  assert sorted(fill_rows) == [10, 20, 30] and list(evicted) == [-1, -1, -1]
+  c.unpin(slots)
+  s2, _, _, _ = c.plan(np.array([20]))       # 20 read again: 10 and 30 are older
+  c.unpin(s2)
+  s3, f3, r3, e3 = c.plan(np.array([20, 40, 50]))
+  assert list(r3) == [40, 50]
+  assert set(e3) == {-1, 10}                  # the empty slot first, then the least recently read row
+  assert c.slot_of[30] >= 0 and c.slot_of[10] == -1 and c.row_at[c.slot_of[40]] == 40
+  assert (c.row_at[s3] == [20, 40, 50]).all()
+  assert c.hits == 2 and c.misses == 5 and c.evictions == 1
+
+
+def test_lfu_gives_up_the_row_read_in_the_fewest_batches():
+  c = RowCache(num_rows=100, slots=3, policy="lfu")
+  for rows in ([1, 2, 3], [1, 2], [1], [2, 3]):
+    c.unpin(c.plan(np.array(rows))[0])
+  # reads: 1 three times, 2 three times, 3 twice; 3 was read last, which LRU would keep, LFU does not
+  _, _, rows, evicted = c.plan(np.array([7]))
+  assert list(rows) == [7] and list(evicted) == [3]
+
+
+def test_a_slot_a_staged_batch_reads_is_never_given_up_and_a_batch_too_big_names_the_numbers():
+  c = RowCache(num_rows=100, slots=4, policy="lru")
+  staged, _, _, _ = c.plan(np.array([1, 2, 3]))
+  _, _, _, evicted = c.plan(np.array([4]))    # 1..3 pinned by the staged batch: only the empty slot
+  assert list(evicted) == [-1]
+  with pytest.raises(CacheTooSmall, match="2 rows missed and only 0 of 4 slots are free"):
+    c.plan(np.array([5, 6]))
+  c.unpin(staged)
+  _, _, rows, evicted = c.plan(np.array([5, 6]))
+  assert set(evicted) <= {1, 2, 3} and len(evicted) == 2
+
+
+# ---- a run's batches ----------------------------------------------------------------------------------------
+
+def _config(*sets, ads: int = 100_000):
+  """tiny with tables of 100,000 users and `ads` ads, so that 1% of either holds a batch's distinct rows."""
+  cfg = run_helpers.tiny(*sets)
+  spec = ads_feature_spec(users=100_000, ads=ads, advertisers=100, categories=20, embed_dim=16, max_history=32,
+                          max_interests=4, num_domains=2)
+  return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, spec=spec))
+
+
+def test_a_batch_reads_the_cache_slots_of_the_rows_it_read_before():
+  run = build(_config(HOST, "train.host_cache_fraction=0.01"))
+  host_batch = run.source.first_batch()
+  sharded = run.shard(host_batch)
+  remapped = run.tables.remap(sharded)
+  ad = run.tables.tables["ad_id"]
+  valid = np.arange(sharded.history.values.shape[1])[None, :] < np.asarray(sharded.history.offsets)[:, -1:]
+  item = np.asarray(sharded.history.values)[..., 0]
+  slot = np.asarray(remapped.history.values)[..., 0]
+  assert (ad.caches[0].row_at[slot[valid]] == item[valid]).all()
+  assert (slot[~valid] == 0).all()               # padding: slot 0 (the model masks it to id 0)
+  assert (np.asarray(remapped.history.values)[..., 1:] == np.asarray(sharded.history.values)[..., 1:]).all()
+  cand = run.tables.tables["ad_id"].caches[0].row_at[np.asarray(remapped.sparse["ad_id"])]
+  assert (cand == np.asarray(sharded.sparse["ad_id"])).all()
+  fill = run.tables.staged[0].fills["ad_id"]
+  assert sorted(fill.rows) == sorted(set(item[valid]) | set(np.asarray(sharded.sparse["ad_id"]).ravel()))
+  assert (fill.evicted == -1).all()
+
+
+def _train(cfg, steps: int = STEPS):
+  """(run, the final state with host tables whole, losses) of `steps` train steps fed one by one."""
+  run = build(cfg)
+  it, state, losses = run.train_iterator(), run.state, []
+  for _ in range(steps):
+    batch, _ = run.feed(next(it))
+    state, metrics = run.train_step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return run, run.whole(state), losses
+
+
+def _leaves(state) -> list[np.ndarray]:
+  plain = jax.tree_util.tree_map(
+      lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, state)
+  return [np.asarray(x) for x in jax.tree_util.tree_leaves(jax.device_get(plain))]
+
+
+def _assert_same(a, b):
+  la, lb = _leaves(a), _leaves(b)
+  assert len(la) == len(lb)
+  for i, (x, y) in enumerate(zip(la, lb)):
+    assert x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y), f"leaf {i} differs"
+
+
+@pytest.fixture(scope="module")
+def on_device():
+  return _train(_config())
+
+
+@pytest.mark.parametrize("fraction", ["0.01", "0.1", "1.0"])
+def test_host_tables_train_what_device_tables_train_on_one_device(on_device, fraction):
+  _, want, want_losses = on_device
+  run, got, losses = _train(_config(HOST, f"train.host_cache_fraction={fraction}"))
+  assert losses == want_losses
+  _assert_same(want, got)
+  ad = run.tables.stats()["tables"]["ad_id"]
+  assert ad["cache_rows"] == int(float(fraction) * 100_000)
+  if fraction == "0.01":
+    assert ad["evictions"] > 0   # the cache turned over: write-backs were exercised
+
+
+def test_host_tables_train_what_device_tables_train_on_a_row_sharded_mesh():
+  mesh = "mesh=meshes/cpu_8.yaml"
+  _, want, want_losses = _train(_config(mesh))
+  run, got, losses = _train(_config(mesh, HOST, "train.host_cache_fraction=0.01"))
+  ad = run.tables.tables["ad_id"]
+  assert ad.owners > 1 and run.plan.table_axes["ad_id"]
+  assert ad.stats()["evictions"] > 0
+  assert losses == want_losses
+  _assert_same(want, got)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_one_cache_size_resumes_with_another_and_evaluations_match(tmp_path):
+  sets = ["train.steps=8", "train.checkpoint_every=4", "train.eval_every=4", "train.eval_examples=256",
+          "train.log_every=1", "train.warmup_steps=1"]
+  want = jobs.train_config(_config(*sets), str(tmp_path / "device"), progress=False, report=False)
+  jobs.train_config(_config(*sets, HOST, "train.host_cache_fraction=0.1"), str(tmp_path / "host"), progress=False,
+                    report=False, stop_after=4)
+  got = jobs.train_config(_config(*sets, HOST, "train.host_cache_fraction=0.01"), str(tmp_path / "host"),
+                          progress=False, report=False, resume=True)
+  assert got["evaluations"] == want["evaluations"] and got["tasks"] == want["tasks"]
+  prints = []
+  for name in ("device", "host"):
+    run = build(_config(*sets, HOST) if name == "host" else _config(*sets))
+    with Checkpointer(os.path.join(tmp_path, name, "checkpoints"), keep=3, save_every=4) as ckpt:
+      _, state, _ = ckpt.restore(8, abstract_state=run.restore_target())
+    prints.append(fingerprint(state))
+  assert np.array_equal(prints[0], prints[1])
+
+
+# ---- what is refused --------------------------------------------------------------------------------------
+
+def test_a_table_the_spec_lacks_and_a_task_that_reads_tables_whole_are_refused():
+  with pytest.raises(ValueError, match=r"names \['ads'\], which the feature spec has no table of"):
+    build(run_helpers.tiny('train.host_tables=["ads"]'), abstract=True)
+  with pytest.raises(ValueError, match="must be 'lru' or 'lfu'"):
+    run_helpers.tiny("train.host_cache_policy=fifo")
+
+
+def test_a_cache_too_small_for_one_batch_says_which_table_and_how_many_rows():
+  run = build(_config(HOST, "train.host_cache_rows=64"))
+  with pytest.raises(CacheTooSmall, match=r"host table 'ad_id', owner shard 0: \d+ rows missed and only 64 of 64"):
+    run.feed(run.source.first_batch())
+  assert not run.tables.staged and not run.tables.tables["ad_id"].caches[0].pins.any()
+
+
+def test_the_compiled_step_holds_the_cache_not_the_table():
+  run = build(_config(HOST, "train.host_cache_fraction=0.01", ads=400_000))
+  table = run.tables.tables["ad_id"].store[0]
+  batch, _ = run.feed(run.source.first_batch())
+  memory = run.train_step.lower(run.state, batch).compile().memory_analysis()
+  assert table.nbytes >= 10 * memory.argument_size_in_bytes, (table.nbytes, memory.argument_size_in_bytes)
+  assert host_tables.host_leaves(run.state, ["ad_id"])["ad_id"][0].shape == (4_000, 16)
