@@ -183,3 +183,13 @@ def test_the_compiled_step_holds_the_cache_not_the_table():
   memory = run.train_step.lower(run.state, batch).compile().memory_analysis()
   assert table.nbytes >= 10 * memory.argument_size_in_bytes, (table.nbytes, memory.argument_size_in_bytes)
   assert host_tables.host_leaves(run.state, ["ad_id"])["ad_id"][0].shape == (4_000, 16)
+
+
+def test_the_bench_hit_rate_is_hits_over_distinct_rows_and_none_when_a_batch_does_not_fit():
+  from gem_jax.bench import cache
+  same = [np.array([1, 2, 3, 3])] * 8
+  assert cache.hit_rate(same, rows=10, fraction=0.5, policy="lru") == 1.0   # every row cached after step 1
+  assert cache.hit_rate(same, rows=10, fraction=0.2, policy="lru") is None  # 2 slots, 3 distinct rows
+  alternating = [np.array([1, 2]), np.array([3, 4])] * 4
+  assert cache.hit_rate(alternating, rows=10, fraction=0.2, policy="lru") == 0.0
+  assert cache.hit_rate(alternating, rows=10, fraction=0.4, policy="lfu") == 1.0

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections import deque
 from typing import Any, Callable
 
@@ -307,7 +308,8 @@ class HostTables:
     self.tables, self.spec = tables, spec
     self.staged: deque[_Staged] = deque()
     self.pending: list[tuple[dict[str, np.ndarray], dict[str, list]]] = []  # write-backs in flight
-    self.transfer = {"h2d_bytes": 0, "d2h_bytes": 0, "wait_s": 0.0, "swaps": 0}
+    self.moved = {n: {"h2d_bytes": 0, "d2h_bytes": 0} for n in tables}   # rows and slots, each way
+    self.wait_s, self.swaps = 0.0, 0
     replicated = NamedSharding(mesh, P())
     self._swap = jax.jit(self._swap_body, donate_argnums=0, out_shardings=(state_shardings, replicated))
 
@@ -394,7 +396,6 @@ class HostTables:
 
   def land(self) -> None:
     """Writes the victims' rows of every dispatched swap back into the stores (waits for them)."""
-    import time
     t0 = time.perf_counter()
     for evicted, olds in self.pending:
       for name, rows in evicted.items():
@@ -405,9 +406,9 @@ class HostTables:
         for store, old in zip(table.store, olds[name]):
           got = np.asarray(old)[:len(rows)]
           store[rows[held]] = got[held]
-          self.transfer["d2h_bytes"] += got[held].nbytes
+          self.moved[name]["d2h_bytes"] += got[held].nbytes
     self.pending = []
-    self.transfer["wait_s"] += time.perf_counter() - t0
+    self.wait_s += time.perf_counter() - t0
 
   def swap(self, state):
     """The oldest staged batch's fills written into `state`'s caches (donated); returns the new state. Call
@@ -430,13 +431,13 @@ class HostTables:
         v = np.zeros((kp,) + store.shape[1:], store.dtype)
         v[:k] = store[fill.rows]
         values.append(v)
-        self.transfer["h2d_bytes"] += v[:k].nbytes
+        self.moved[name]["h2d_bytes"] += v[:k].nbytes
       loads[name] = (slots, values)
       evicted[name] = fill.evicted
     if loads:
       state, olds = self._swap(state, loads)
       self.pending.append((evicted, olds))
-      self.transfer["swaps"] += 1
+      self.swaps += 1
     return state
 
   def step_dispatched(self) -> None:
@@ -495,7 +496,22 @@ class HostTables:
     return cache_state(state, list(self.tables), lambda n, v: self.tables[n].cache_rows)
 
   def stats(self) -> dict:
-    return {"tables": {n: t.stats() for n, t in self.tables.items()}, **self.transfer}
+    """Counters since the run was built: per table hits, misses, evictions and bytes moved; the host's wait."""
+    return {"tables": {n: {**t.stats(), **self.moved[n]} for n, t in self.tables.items()}, "host_wait_s": self.wait_s,
+            "swaps": self.swaps}
+
+  def report(self, steps: int) -> dict:
+    """report.json's `host_tables`: per table its hit rate and, per step, misses, evictions and bytes moved
+    host to device (rows and slots filled) and back (victims written back); `host_wait_s_per_step`: the time
+    the host waited for victims' rows to come back before it could fill the next step's cache."""
+    per = lambda x: x / steps if steps else None
+    tables = {}
+    for name, st in self.stats()["tables"].items():
+      tables[name] = {"rows": st["rows"], "cache_rows": st["cache_rows"], "policy": self.tables[name].caches[0].policy,
+                      "hit_rate": st["hit_rate"], "misses_per_step": per(st["misses"]),
+                      "evictions_per_step": per(st["evictions"]), "h2d_bytes_per_step": per(st["h2d_bytes"]),
+                      "d2h_bytes_per_step": per(st["d2h_bytes"])}
+    return {"tables": tables, "host_wait_s_per_step": per(self.wait_s), "swaps": self.swaps}
 
 
 def cache_state(state, names, slots_of: Callable[[str, int], int]):

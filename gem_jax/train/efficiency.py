@@ -108,6 +108,8 @@ class Meter(Hook):
       colls = hlo.collectives(compiled.as_text(), run.mesh) if run.num_devices > 1 else []
       rep["embedding_update"] = embedding_update.account(
           colls, self.engine_stats, table_update.row_bytes(t.state.params, run.optimizer, t.state.opt_state))
+    if run.tables is not None:
+      rep["host_tables"] = run.tables.report(t.step - t.start_step)
     plots = report_lib.plot(rep, self.history, os.path.join(t.out_dir, "plots"))
     rep["plots"] = [os.path.relpath(p, t.out_dir) for p in plots]
     with open(os.path.join(t.out_dir, "report.json"), "w") as f:
