@@ -19,7 +19,7 @@ from gem_jax.train.checkpoint import Checkpointer, fingerprint
 from tests import run_helpers
 
 HOST = 'train.host_tables=["ad_id","user_id"]'
-STEPS = 8
+STEPS = int(os.environ.get("GEM_JAX_HOST_TABLE_STEPS", "8"))  # 50: the acceptance run
 
 
 # ---- one cache's slots ------------------------------------------------------------------------------------
@@ -167,6 +167,25 @@ def test_a_table_the_spec_lacks_and_a_task_that_reads_tables_whole_are_refused()
     build(run_helpers.tiny('train.host_tables=["ads"]'), abstract=True)
   with pytest.raises(ValueError, match="must be 'lru' or 'lfu'"):
     run_helpers.tiny("train.host_cache_policy=fifo")
+
+
+def test_a_task_that_reads_a_table_whole_refuses_host_tables(tmp_path):
+  from gem_jax import configs
+  from gem_jax.config import apply_overrides
+  from tests.test_seqrec import toy_u_data
+  cfg = apply_overrides(configs.seqrec("ml-100k", quick=True), [f"data.data_dir={toy_u_data(tmp_path)}",
+                                                                 'train.host_tables=["item"]'])
+  with pytest.raises(ValueError, match="host tables need the ads task .* NextItem"):
+    build(cfg, abstract=True)
+
+
+def test_tables_larger_than_the_host_are_refused_before_anything_is_allocated():
+  cfg = _config(HOST)
+  need = host_tables.host_bytes(cfg, cfg.data.spec)
+  assert need == {"ad_id": 100_000 * (16 * 4 + 4), "user_id": 100_000 * (16 * 4 + 4)}   # rows + Adagrad's sums
+  host_tables.check_host_memory(cfg, cfg.data.spec, available=sum(need.values()))
+  with pytest.raises(ValueError, match=r"need 0.01 GiB of host memory \(ad_id 0.01 GiB, user_id 0.01 GiB"):
+    host_tables.check_host_memory(cfg, cfg.data.spec, available=sum(need.values()) - 1)
 
 
 def test_a_cache_too_small_for_one_batch_says_which_table_and_how_many_rows():

@@ -215,6 +215,8 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
   if host_names and not isinstance(task, tasks.AdsMultiTask):
     raise ValueError(f"train.host_tables={list(host_names)}: host tables need the ads task (its batches read tables "
                      f"only through lookups); this config's task is {type(task).__name__}")
+  if host_names and allocate:
+    host_tables_lib.check_host_memory(cfg, source.spec)
   # With host tables the whole state is made in host memory first: their rows never have to fit a device.
   on_host = (jax.default_device(jax.devices("cpu")[0]) if host_names and allocate else contextlib.nullcontext())
   if allocate:

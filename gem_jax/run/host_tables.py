@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections import deque
 from typing import Any, Callable
@@ -526,6 +527,31 @@ def cache_state(state, names, slots_of: Callable[[str, int], int]):
     else:
       new[name] = [np.zeros((c,) + x.shape[1:], x.dtype) for x in xs]
   return replace_host_leaves(state, new)
+
+
+def host_bytes(cfg, spec) -> dict[str, int]:
+  """The host memory each of cfg.train.host_tables needs: its rows and its row optimizer's per-row arrays."""
+  from gem_jax.run import table_optim
+  kinds = table_optim.make_rule(cfg.train).slot_kinds
+  out = {}
+  for name in cfg.train.host_tables:
+    t = spec.table(name)
+    row = t.dim * np.dtype(cfg.model.params_dtype).itemsize
+    slots = sum(4 * (t.dim if k == table_optim.FULL else 1) for k in kinds)
+    out[name] = t.vocab_size * (row + slots)
+  return out
+
+
+def check_host_memory(cfg, spec, available: int | None = None) -> None:
+  """Raises when the host tables need more than `available` bytes (default: this host's physical memory),
+  naming each table and its bytes, before anything is allocated."""
+  if available is None:
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  need = host_bytes(cfg, spec)
+  if sum(need.values()) > available:
+    parts = ", ".join(f"{n} {b / 2**30:.2f} GiB" for n, b in need.items())
+    raise ValueError(f"train.host_tables need {sum(need.values()) / 2**30:.2f} GiB of host memory ({parts}: rows and "
+                     f"row-optimizer state), more than this host's {available / 2**30:.2f} GiB")
 
 
 def make(cfg, state, placed, spec, mesh_shape: dict) -> tuple[dict[str, HostTable], Any]:
