@@ -39,3 +39,14 @@ def shared_data_root() -> str:
   import os
   here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   return os.environ.get("GEM_JAX_DATA_DIR", os.path.normpath(os.path.join(here, "..", "shared", "data")))
+
+
+def toy_u_data(root, users: int = 24, seed: int = 0) -> str:
+  """A small MovieLens-100K-format file (root/ml-100k/u.data) of `users` users with 5-14 interactions over
+  30 items, so the next-item source and task run without the shared data."""
+  rng = np.random.default_rng(seed)
+  lines = [f"{u}\t{i}\t4\t{t}" for u in range(1, users + 1)
+           for t, i in enumerate(rng.choice(np.arange(1, 31), rng.integers(5, 15), replace=False))]
+  (root / "ml-100k").mkdir(parents=True, exist_ok=True)
+  (root / "ml-100k" / "u.data").write_text("\n".join(lines) + "\n")
+  return str(root)

@@ -26,8 +26,10 @@ from gem_jax.run import next_item
 from gem_jax.run.build import build
 from gem_jax.run.next_item import NextItemConfig
 from gem_jax.train import jobs
+from tests.data_helpers import toy_u_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 DATA_DIR = os.environ.get("GEM_JAX_DATA_DIR", os.path.normpath(os.path.join(ROOT, "..", "shared", "data")))
 
 
@@ -250,17 +252,6 @@ def test_encode_rows_are_isolated_and_dropout_only_with_a_key():
   dropped = np.asarray(model.encode(both, dropout_rng=key))
   assert not np.allclose(dropped[:8], out_both[:8])
   np.testing.assert_array_equal(dropped, np.asarray(model.encode(both, dropout_rng=key)))
-
-
-def toy_u_data(root, users: int = 24, seed: int = 0) -> str:
-  """A small MovieLens-100K-format file (root/ml-100k/u.data) of `users` users with 5-14 interactions over
-  30 items, so the next-item source and task run without the shared data."""
-  rng = np.random.default_rng(seed)
-  lines = [f"{u}\t{i}\t4\t{t}" for u in range(1, users + 1)
-           for t, i in enumerate(rng.choice(np.arange(1, 31), rng.integers(5, 15), replace=False))]
-  (root / "ml-100k").mkdir(parents=True, exist_ok=True)
-  (root / "ml-100k" / "u.data").write_text("\n".join(lines) + "\n")
-  return str(root)
 
 
 def test_train_step_lowers_loss_on_a_fixed_batch_and_ranks_every_user(tmp_path):

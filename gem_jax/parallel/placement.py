@@ -176,6 +176,8 @@ def place_state(state, placed: Placement):
   shardings = state_shardings(state, placed)
 
   def put(x, s):
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim):
+      return x  # placed already (a restored state; in a multi-process run not every part is this host's)
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # a typed key: place its data, wrap it again
       return jax.random.wrap_key_data(put(jax.random.key_data(x), s), impl=jax.random.key_impl(x))
     if isinstance(x, jax.Array) and x.is_fully_addressable and s.is_fully_addressable:

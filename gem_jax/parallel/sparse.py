@@ -242,7 +242,17 @@ def send_to_owners(ids_U: jax.Array, values_UxE: jax.Array, *, axes: str | Seque
       received_ids.append(ids)
       received_rows.append(rows)
     overflow = functools.reduce(jnp.maximum, ran, jnp.zeros((), jnp.int32))
-  return jnp.concatenate(received_ids), jnp.concatenate(received_rows), {"overflow": overflow, **stats}
+  return (by_source(received_ids, num_shards), by_source(received_rows, num_shards),
+          {"overflow": overflow, **stats})
+
+
+def by_source(rounds: list, sources: int) -> jax.Array:
+  """The rounds' received arrays (each [source 0's slots | source 1's | ...]) as one array holding each
+  source's rows together, in its own order: the order in which an owner then adds a row's contributions is
+  that of the sources, whichever round carried them (so neither the capacities nor the ids' labels, which set
+  a row's round, change the sums' bits: a host table's cache slots, gem_jax/run/host_tables.py)."""
+  parts = [x.reshape((sources, -1) + x.shape[1:]) for x in rounds]
+  return jnp.concatenate(parts, axis=1).reshape((-1,) + rounds[0].shape[1:])
 
 
 def capacity_for(ids_per_shard: Sequence[np.ndarray], num_rows: int, num_shards: int, slack: float = 1.1,

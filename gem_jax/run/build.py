@@ -215,10 +215,13 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
   if host_names and not isinstance(task, tasks.AdsMultiTask):
     raise ValueError(f"train.host_tables={list(host_names)}: host tables need the ads task (its batches read tables "
                      f"only through lookups); this config's task is {type(task).__name__}")
+  if host_names and cfg.train.embedding_update != "sparse":
+    raise ValueError(f"train.host_tables={list(host_names)} need train.embedding_update=sparse: the dense form "
+                     "differentiates and updates every row of a table, which a cache does not hold")
   if host_names and allocate:
     host_tables_lib.check_host_memory(cfg, source.spec)
   # With host tables the whole state is made in host memory first: their rows never have to fit a device.
-  on_host = (jax.default_device(jax.devices("cpu")[0]) if host_names and allocate else contextlib.nullcontext())
+  on_host = (jax.default_device(jax.local_devices(backend="cpu")[0]) if host_names and allocate else contextlib.nullcontext())
   if allocate:
     # Initialized by one compiled program: eager init compiles every initializer op on its own (about 90
     # small programs for GEM, most of a small run's start-up), and one program is also what the persistent
@@ -264,7 +267,8 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
             sync_capacities, lookup_trace)
   if not abstract or local:  # compile-only builds included
     run.train_step = step_lib.make_train_step(graphdef, rest, optimizer, task, p, state, capacities,
-                                              cfg.train.embedding_update, sync_capacities, lookup_trace)
+                                              cfg.train.embedding_update, sync_capacities, lookup_trace,
+                                              {n: source.spec.table(n).vocab_size for n in host_names})
     run.eval_step = step_lib.make_eval_step(graphdef, rest, task, p, state.params, capacities)
   if stores:
     run.tables = host_tables_lib.HostTables(stores, source.spec, mesh, placement.state_shardings(state, p))

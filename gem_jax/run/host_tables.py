@@ -157,6 +157,15 @@ class HostTable:
     self.owners, self.per_owner = owners, self.num_rows // owners
     self.slots_per_owner = slots_per_owner
     self.caches = [RowCache(self.per_owner, slots_per_owner, policy) for _ in range(owners)]
+    self._hold_row_zero()
+
+  def _hold_row_zero(self) -> None:
+    """Row 0 in slot 0 for good: the model reads jagged padding as id 0 (gem_jax/model/embeddings.py), which
+    here is slot 0, and padding must read what it reads from the whole table (row 0) for the step to compute
+    the same bits; its fill goes out with the next plan."""
+    cache = self.caches[0]
+    cache.row_at[0], cache.slot_of[0], cache.pins[0] = 0, 0, 1
+    self._row_zero = Fill(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, -1, np.int64))
 
   @property
   def cache_rows(self) -> int:
@@ -168,6 +177,7 @@ class HostTable:
     self.caches = [RowCache(self.per_owner, self.slots_per_owner, c.policy) for c in old]
     for new, c in zip(self.caches, old):
       new.hits, new.misses, new.evictions = c.hits, c.misses, c.evictions
+    self._hold_row_zero()
 
   def plan(self, rows_U: np.ndarray) -> tuple[np.ndarray, Fill, list]:
     """Global slots for the sorted distinct rows `rows_U`, what to fill, and the pins to release once the
@@ -188,6 +198,9 @@ class HostTable:
       base, first = o * self.slots_per_owner, o * self.per_owner
       slots_U[mine] = base + s
       fills.append((base + fs, first + fr, np.where(ev >= 0, first + ev, -1)))
+    if self._row_zero is not None:
+      z, self._row_zero = self._row_zero, None
+      fills.insert(0, (z.slots, z.rows, z.evicted))
     cat = lambda i: np.concatenate([f[i] for f in fills]) if fills else np.zeros(0, np.int64)
     return slots_U, Fill(cat(0), cat(1), cat(2)), pins
 
@@ -210,6 +223,14 @@ class HostTable:
     return {"hits": hits, "misses": misses, "evictions": sum(c.evictions for c in self.caches),
             "hit_rate": hits / (hits + misses) if hits + misses else None, "cache_rows": self.cache_rows,
             "rows": self.num_rows}
+
+
+def _host_value(x) -> np.ndarray:
+  """The whole value of a device array on this host, also when other processes hold parts of it."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
 
 
 # ---- the ids of a batch -------------------------------------------------------------------------------------
@@ -369,7 +390,8 @@ class HostTables:
     whole = host_leaves(params, list(self.tables))
     packed = {}
 
-    def pack(name, table, rows_U):
+    def pack(name, table, batch_rows):
+      rows_U = np.union1d(batch_rows, [0])   # row 0 first: padding reads position 0 (HostTable._hold_row_zero)
       owner_U = rows_U // table.per_owner
       counts = np.bincount(owner_U, minlength=table.owners)
       u = _bucket(int(counts.max()))
@@ -379,7 +401,7 @@ class HostTables:
       out = np.zeros((table.owners * u,) + rows.shape[1:], rows.dtype)
       out[at] = rows[rows_U]
       packed[name] = [out]
-      return at
+      return at[np.searchsorted(rows_U, batch_rows)]
 
     batch = self._rewrite(sharded, pack)
     return replace_host_leaves(params, packed), batch
@@ -405,7 +427,7 @@ class HostTables:
           continue
         table = self.tables[name]
         for store, old in zip(table.store, olds[name]):
-          got = np.asarray(old)[:len(rows)]
+          got = _host_value(old)[:len(rows)]
           store[rows[held]] = got[held]
           self.moved[name]["d2h_bytes"] += got[held].nbytes
     self.pending = []
@@ -460,7 +482,7 @@ class HostTables:
       if not len(slots):
         continue
       for store, leaf in zip(table.store, leaves[name]):
-        store[rows] = np.asarray(jax.device_get(leaf))[slots]
+        store[rows] = _host_value(leaf)[slots]
 
   def whole_params(self, params):
     """`params` (the train state's, with caches) with each host table's store, brought up to date, in place of
@@ -476,9 +498,10 @@ class HostTables:
                                        for n, t in self.tables.items()})
 
   def whole_target(self, structs):
-    """A restore target (ShapeDtypeStructs of the run's state) with each host table whole, in host memory."""
-    host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    return replace_host_leaves(structs, {n: [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=host) for s in t.store]
+    """A restore target (ShapeDtypeStructs of the run's state) with each host table whole as numpy: a numpy
+    target is read into host memory (gem_jax/train/checkpoint.py), here a zero-strided view that allocates
+    nothing."""
+    return replace_host_leaves(structs, {n: [np.broadcast_to(np.zeros((), s.dtype), s.shape) for s in t.store]
                                          for n, t in self.tables.items()})
 
   def load_whole(self, state):
@@ -492,7 +515,7 @@ class HostTables:
       if [np.shape(x) for x in leaves[name]] != [s.shape for s in table.store]:
         raise ValueError(f"host table {name!r}: the state holds {[np.shape(x) for x in leaves[name]]}, its store is "
                          f"{[s.shape for s in table.store]}")
-      table.store = [np.array(jax.device_get(x)) for x in leaves[name]]
+      table.store = [np.array(_host_value(x)) for x in leaves[name]]
       table.reset()
     return cache_state(state, list(self.tables), lambda n, v: self.tables[n].cache_rows)
 
@@ -573,7 +596,7 @@ def make(cfg, state, placed, spec, mesh_shape: dict) -> tuple[dict[str, HostTabl
     per_owner = cache_rows(cfg.train, rows, owners)
     slots[name] = owners * per_owner
     if not isinstance(xs[0], jax.ShapeDtypeStruct):
-      tables[name] = HostTable(name, [np.array(jax.device_get(x)) for x in xs], owners, per_owner,
+      tables[name] = HostTable(name, [np.array(_host_value(x)) for x in xs], owners, per_owner,
                                cfg.train.host_cache_policy)
   return tables, cache_state(state, names, lambda n, v: slots[n])
 

@@ -41,19 +41,21 @@ from gem_jax.run.state import TrainState, keep, squared_norm
 
 
 def table_update(embedding_update: str, optimizer, plan: Placement, state: TrainState, sync_capacities: dict,
-                 lookup_trace: lookups.LookupTrace | None):
+                 lookup_trace: lookups.LookupTrace | None, cached_tables: dict[str, int] | None = None):
   """The table update of train.embedding_update: "sparse" (the engine, which reads its lookup calls off
   `lookup_trace`) or "dense" (V x E gradients). A model without tables takes the dense form."""
   tables, _ = nnx.split_state(state.params, Table, ...)
   if embedding_update == "sparse" and jax.tree_util.tree_leaves(tables):
-    return table_update_lib.SparseTables(optimizer.rule, plan, tables, sync_capacities, lookup_trace.calls)
+    return table_update_lib.SparseTables(optimizer.rule, plan, tables, sync_capacities, lookup_trace.calls,
+                                         cached_tables)
   return table_update_lib.DenseTables(optimizer.rule)
 
 
 def make_train_step(graphdef, rest, optimizer, task, plan: Placement, state: TrainState,
                     capacities: dict[str, int] | None = None, embedding_update: str = "dense",
                     sync_capacities: dict[str, dict[str, int]] | None = None,
-                    lookup_trace: lookups.LookupTrace | None = None) -> Callable:
+                    lookup_trace: lookups.LookupTrace | None = None,
+                    cached_tables: dict[str, int] | None = None) -> Callable:
   """train_step(state, sharded batch) -> (state, metrics); `state` (placed by placement.place_state) is
   donated. The task gives the per-shard sums (task.sums) and the loss of their totals (task.loss).
   optimizer: a run.optim.Optimizer (`dense` for the dense parameters, `rule` for the tables).
@@ -67,6 +69,8 @@ def make_train_step(graphdef, rest, optimizer, task, plan: Placement, state: Tra
   them gets slots for every id it read.
   lookup_trace: the run's lookups.LookupTrace (the sparse engine's lookup calls per batch shape; default a
   new one of this model and task).
+  cached_tables: {table: its whole rows} of the tables whose state leaves are a host table's device cache
+  (train.host_tables).
   """
   capacities = dict(capacities or {})
   mesh = plan.mesh
@@ -76,7 +80,8 @@ def make_train_step(graphdef, rest, optimizer, task, plan: Placement, state: Tra
   param_specs = spmd.step_specs(plan, state.params)
   batch_spec = spmd.data_spec(mesh)
   lookup_trace = lookup_trace or lookups.LookupTrace(graphdef, rest, state.params, task)
-  update = table_update(embedding_update, optimizer, plan, state, dict(sync_capacities or {}), lookup_trace)
+  update = table_update(embedding_update, optimizer, plan, state, dict(sync_capacities or {}), lookup_trace,
+                        cached_tables)
 
   def sharded_loss(calls):
     def body(dense, wrt, tables, batch, dropout_rng):

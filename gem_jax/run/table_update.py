@@ -91,15 +91,18 @@ def sink_lookup(inner, calls: list[LookupCall], sinks, recorded):
   return fn
 
 
-def merge_rows(ids_M, g_MxE, num_rows: int, parts: tuple[int, ...] | None = None):
+def merge_rows(ids_M, g_MxE, num_rows: int, parts: tuple[int, ...] | None = None, size_rows: int | None = None):
   """Distinct ids (sorted, `num_rows` in unused slots) and the summed rows of each: the segment sum.
+
+  size_rows: the row count that sizes the result (default num_rows): a host table's cache passes its whole
+  table's, so that its arrays have the shapes the same table's would have on the device (Layout.whole_rows).
 
   parts: the sizes of consecutive runs of ids_M (one per lookup call); each run is summed on its own and
   the runs' sums are added last run first, the order in which JAX's backward adds the V x E gradients of
   several lookups of one table, so the dense path's sums come out the same."""
   valid = (ids_M >= 0) & (ids_M < num_rows)
   # At most num_rows + 1 distinct values (the rows, and num_rows for every invalid id, sorted last).
-  slots = min(ids_M.shape[0], num_rows + 1)
+  slots = min(ids_M.shape[0], (num_rows if size_rows is None else size_rows) + 1)
   uniq_U, inv_M = jnp.unique(jnp.where(valid, ids_M, num_rows), size=slots, fill_value=num_rows,
                              return_inverse=True)
   inv_M = jnp.reshape(inv_M, (-1,))
@@ -160,7 +163,7 @@ def _in_rounds(collective, parts, capacity: int, uniform_axes, count, grow: int 
   device's valid rows, which come first; a cond on a flag every device agrees on), so no row is ever
   dropped and a batch a little over the capacity pays for the spill only, as sparse.send_to_owners. The
   collective returns `grow` x the rows it is given (an all-gather: the group size).
-  -> (the results, rows concatenated in order; {"spill" | "rest": 1 if that round ran}, also the named
+  -> (the results, each group member's rows together in its order (sparse.by_source); {"spill" | "rest": 1 if that round ran}, also the named
   scopes of their collectives)."""
   n = parts[0].shape[0]
   capacity = int(min(max(1, capacity), n))
@@ -175,7 +178,8 @@ def _in_rounds(collective, parts, capacity: int, uniform_axes, count, grow: int 
     with jax.named_scope(name):
       out.append(jax.lax.cond(go > 0, lambda rest=rest: collective(*rest), empty))
     ran[name] = go
-  return tuple(jnp.concatenate(xs) for xs in zip(*out)), ran
+  # Each group member's rows together (sparse.by_source), so a row's sums do not depend on its round.
+  return tuple(sparse.by_source(list(xs), grow) for xs in zip(*out)), ran
 
 
 # ---- the update stage: one function per layout of a table --------------------------------------------------
@@ -205,6 +209,18 @@ class Layout:
   copies: tuple           # data axes holding another copy of its rows (size > 1, not in own)
   caps: dict              # its sync capacities (lookups.sync_capacities)
   mesh_shape: dict        # axis -> size
+  whole_rows: int = 0     # a host table's rows (its cache has num_rows): sizes the merge arrays; 0 = num_rows
+
+  @property
+  def cached(self) -> bool:
+    """Its rows here are a host table's device cache (gem_jax/run/host_tables.py)."""
+    return self.whole_rows > 0
+
+  @property
+  def sized(self) -> int:
+    """Rows that size its merge arrays: the whole table's, so that a cache's arrays have the shapes its
+    table's have on the device, and XLA rounds their rows' arithmetic alike."""
+    return self.whole_rows or self.num_rows
 
   def size(self, axes) -> int:
     return math.prod(self.mesh_shape[a] for a in axes)
@@ -247,8 +263,9 @@ def _gathered_rows(t: Layout, ids_M, g_MxE, local_rows: int, rounds: dict) -> tu
   """Rows that arrived at their owner (or a replicated table's rows), merged, then all-gathered over the
   copies on other data axes and merged again, so every copy applies the same sums. -> (merged, the ideal
   bytes of the gather)."""
-  uniq_R, g_RxE = merge_rows(ids_M, g_MxE, local_rows)
-  uniq_R, g_RxE = uniq_R[:local_rows], g_RxE[:local_rows]  # at most a block's rows are distinct
+  sized = t.sized // (t.size(t.own) if t.own else 1)
+  uniq_R, g_RxE = merge_rows(ids_M, g_MxE, local_rows, size_rows=sized)
+  uniq_R, g_RxE = uniq_R[:sized], g_RxE[:sized]  # at most a block's rows are distinct
   ideal = jnp.zeros((), jnp.float32)
   if t.copies:
     n_copies = t.size(t.copies)
@@ -260,7 +277,7 @@ def _gathered_rows(t: Layout, ids_M, g_MxE, local_rows: int, rounds: dict) -> tu
                                      t.caps.get("received" if t.own else "unique", uniq_R.shape[0]), t.active,
                                      n_rows, grow=n_copies)
     rounds["spill"], rounds["rest"] = rounds["spill"] | ran.get("spill", 0), rounds["rest"] | ran.get("rest", 0)
-    uniq_R, g_RxE = merge_rows(ids_G, g_GxE, local_rows)
+    uniq_R, g_RxE = merge_rows(ids_G, g_GxE, local_rows, size_rows=sized)
   touched_R = (uniq_R < local_rows) & jnp.any(g_RxE != 0, axis=1)
   # Each owner holds its own rows once; copies computed the same sums.
   over_owners = (lambda x: jax.lax.psum(x, t.own)) if t.own else (lambda x: x)
@@ -279,11 +296,14 @@ def merge_table(t: Layout, block_shape, ids_N, g_NxE, parts) -> Merged:
   (what this device would move if every collective carried exactly its touched rows' ids and gradients,
   under hlo.py's traffic model; the mean over devices)."""
   v, e = t.num_rows, g_NxE.shape[1]
-  if not t.active and dense_rows(v, ids_N.shape[0]):
+  # A host table's cache takes the path of its whole table, which is larger than a step's ids (a cache no
+  # larger than them would otherwise take the V x E form and round differently from the same table on the
+  # device).
+  if not t.active and not t.cached and dense_rows(v, ids_N.shape[0]):
     return _small_table(t, ids_N, g_NxE, parts)
-  uniq_U, g_UxE = merge_rows(ids_N, g_NxE, v, parts)
+  uniq_U, g_UxE = merge_rows(ids_N, g_NxE, v, parts, size_rows=t.sized)
   # At most V distinct ids, first in the sorted slots: the rest are always empty.
-  uniq_U, g_UxE = uniq_U[:v], g_UxE[:v]
+  uniq_U, g_UxE = uniq_U[:t.sized], g_UxE[:t.sized]
   n_unique = jnp.sum(uniq_U < v, dtype=jnp.int32)
   rounds = {"spill": jnp.zeros((), jnp.int32), "rest": jnp.zeros((), jnp.int32)}
   ideal = jnp.zeros((), jnp.float32)
@@ -421,8 +441,10 @@ class SparseTables(TableUpdate):
   each call's row cotangents and nothing of size V; the update merges them per table by its layout and
   applies the rule to the touched rows only."""
 
-  def __init__(self, rule, plan, tables, sync_capacities: dict, lookup_calls_of: Callable):
+  def __init__(self, rule, plan, tables, sync_capacities: dict, lookup_calls_of: Callable,
+               cached: dict[str, int] | None = None):
     self.rule, self.plan, self.sync_capacities = rule, plan, dict(sync_capacities)
+    self.cached = dict(cached or {})  # host table -> its whole rows; its leaves are device caches (Layout)
     self.lookup_calls_of = lookup_calls_of   # local batch structs -> [LookupCall] (lookups.LookupTrace.calls)
     self.names = table_names(tables)
     values = dict(zip(self.names, _leaves(tables)))
@@ -455,7 +477,7 @@ class SparseTables(TableUpdate):
     own = spmd.active_axes(mesh, self.plan.table_axes.get(name, ()))
     return Layout(name, self.num_rows[name], spmd.active_axes(mesh), spmd.active_axes(mesh, COPY_AXES), own,
                   tuple(a for a in spmd.active_axes(mesh, DATA_AXES) if a not in own),
-                  self.sync_capacities.get(name, {}), dict(mesh.shape))
+                  self.sync_capacities.get(name, {}), dict(mesh.shape), self.cached.get(name, 0))
 
   def _update(self, calls, blocks, slots, ids_by_call, cots_by_call, finite, count):
     """The update stage on one device: -> (blocks, slots, tables' squared norm, finite, stats)."""

@@ -76,7 +76,10 @@ def _is_key(x) -> bool:
 
 def _abstract(x):
   """A restore target leaf: shape, dtype and sharding (this process's first device when the leaf has
-  none: jax.devices()[0] belongs to process 0 only)."""
+  none: jax.devices()[0] belongs to process 0 only); a numpy leaf stays numpy, read into host memory (a host
+  table: gem_jax/run/host_tables.py)."""
+  if isinstance(x, np.ndarray):
+    return x
   sharding = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
