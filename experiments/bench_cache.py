@@ -39,10 +39,12 @@ def main(argv=None) -> int:
     print(f"step      zipf {a}: 20% cache {s['step_ms_median']:.1f} ms, tables on the device "
           f"{s['device_step_ms_median']:.1f} ms ({s['ratio']:.2f}x), host waited {s['wait_fraction']:.1%}", flush=True)
   budget = cache.budget_run(budget_bytes=4 << 20 if args.quick else 16 << 20, scale=10 if args.quick else 40)
-  print(f"budget    {budget['budget_bytes'] / 2**20:.0f} MB: {budget['device_tier_rows']} ad rows on the device, "
-        f"{budget['host_tier_rows']} trained on the host with a {budget['cache_bytes'] / 2**20:.1f} MB cache (step "
-        f"arguments {budget['step_argument_bytes'] / 2**20:.2f} MB, {budget['device_tier_step_argument_bytes'] / 2**20:.2f} "
-        f"MB with the budget's table on the device; host store {budget['host_store_bytes'] / 2**20:.0f} MB)", flush=True)
+  mb = {k: budget[k] / 2**20 for k in ("budget_bytes", "cache_bytes", "step_argument_bytes",
+                                       "device_tier_step_argument_bytes", "host_store_bytes")}
+  print(f"budget    {mb['budget_bytes']:.0f} MB: {budget['device_tier_rows']} ad rows on the device, "
+        f"{budget['host_tier_rows']} trained on the host with a {mb['cache_bytes']:.1f} MB cache (step arguments "
+        f"{mb['step_argument_bytes']:.2f} MB, {mb['device_tier_step_argument_bytes']:.2f} MB with the budget's table "
+        f"on the device; host store {mb['host_store_bytes']:.0f} MB)", flush=True)
   out = {"hit_rate": rates, "step": steps_out, "budget": budget, "quick": args.quick}
   out["png"] = cache.plot(rates, steps_out, os.path.splitext(args.out)[0] + ".png")
   with open(args.out, "w") as f:

@@ -29,7 +29,6 @@ import math
 import statistics
 import time
 
-import jax
 import numpy as np
 
 from gem_jax import configs
@@ -55,9 +54,9 @@ def synthetic_stream(steps: int, table: str = "ad_id", sets=()) -> tuple[int, li
   for _ in range(steps):
     sharded = run.source.shard(next(it), 1)
     ids = []
-    for t, where, valid in host_tables._id_fields(sharded, run.source.spec):
+    for t, where, valid in host_tables.id_fields(sharded, run.source.spec):
       if t == table:
-        a = host_tables._get(sharded, where)
+        a = host_tables.field_values(sharded, where)
         ids.append(np.reshape(a if valid is None else a[valid], -1))
     out.append(np.concatenate(ids))
   return cfg.data.spec.table(table).vocab_size, out

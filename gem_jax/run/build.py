@@ -193,11 +193,7 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
   mesh_spec = mesh_spec_of(cfg)
   compile_only = target is not None
   if compile_only:
-    if devices is not None or abstract:
-      raise ValueError("build: target= makes its own compile-only devices; give neither devices nor abstract")
-    name = target_lib.register(target) if isinstance(target, target_lib.Target) else target
-    devices = target_lib.topology_devices(target_lib.get(name), mesh_spec)
-    mesh_spec = dataclasses.replace(mesh_spec, target=name)
+    devices, mesh_spec = _compile_only(target, mesh_spec, devices, abstract)
   if devices is None and not abstract:
     devices = jax.devices() if cfg.mesh is not None else jax.devices()[:1]
   check.check_config(cfg, None if cfg.mesh is None else mesh_spec,
@@ -211,17 +207,7 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
   model = nnx.eval_shape(make_model)
   check.check_tensor_parallel(nnx.state(model, nnx.Param), mesh_spec)
   allocate = not (abstract or compile_only)
-  host_names = tuple(cfg.train.host_tables)
-  if host_names and not isinstance(task, tasks.AdsMultiTask):
-    raise ValueError(f"train.host_tables={list(host_names)}: host tables need the ads task (its batches read tables "
-                     f"only through lookups); this config's task is {type(task).__name__}")
-  if host_names and cfg.train.embedding_update != "sparse":
-    raise ValueError(f"train.host_tables={list(host_names)} need train.embedding_update=sparse: the dense form "
-                     "differentiates and updates every row of a table, which a cache does not hold")
-  if host_names and allocate:
-    host_tables_lib.check_host_memory(cfg, source.spec)
-  # With host tables the whole state is made in host memory first: their rows never have to fit a device.
-  on_host = (jax.default_device(jax.local_devices(backend="cpu")[0]) if host_names and allocate else contextlib.nullcontext())
+  host_names, on_host = _host_tables(cfg, task, source, allocate)
   if allocate:
     # Initialized by one compiled program: eager init compiles every initializer op on its own (about 90
     # small programs for GEM, most of a small run's start-up), and one program is also what the persistent
@@ -247,9 +233,7 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
     with on_host:
       state = jax.jit(lambda p: init_state(p, optimizer, task.train_key(seed)))(params)
   p = placement.of(state.params, mesh, mesh_spec)  # host tables placed as their whole selves would be
-  stores = {}
-  if host_names:
-    stores, state = host_tables_lib.make(cfg, state, p, source.spec, dict(mesh.shape))
+  stores, state = (host_tables_lib.make(cfg, state, p, source.spec, dict(mesh.shape)) if host_names else ({}, state))
   if not allocate:
     shardings = placement.state_shardings(state, p)
     state = jax.tree_util.tree_map(
@@ -270,10 +254,35 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
                                               cfg.train.embedding_update, sync_capacities, lookup_trace,
                                               {n: source.spec.table(n).vocab_size for n in host_names})
     run.eval_step = step_lib.make_eval_step(graphdef, rest, task, p, state.params, capacities)
-  if stores:
+  if stores:  # the step swaps each batch's rows into the caches first
     run.tables = host_tables_lib.HostTables(stores, source.spec, mesh, placement.state_shardings(state, p))
     run.train_step = host_tables_lib.SwappingStep(run.train_step, run.tables)
   return run
+
+
+def _compile_only(target, mesh_spec, devices, abstract: bool):
+  """(the compile-only devices of `target` for the mesh file's topology, the mesh spec naming the target)."""
+  if devices is not None or abstract:
+    raise ValueError("build: target= makes its own compile-only devices; give neither devices nor abstract")
+  name = target_lib.register(target) if isinstance(target, target_lib.Target) else target
+  return target_lib.topology_devices(target_lib.get(name), mesh_spec), dataclasses.replace(mesh_spec, target=name)
+
+
+def _host_tables(cfg, task, source, allocate: bool):
+  """(cfg.train.host_tables, the context to make the state in) after the checks that need the task and the
+  source (and, for a run that allocates, that the tables fit this host's memory). With host tables the whole
+  state is made in host memory first: their rows never have to fit a device."""
+  names = tuple(cfg.train.host_tables)
+  if names and not isinstance(task, tasks.AdsMultiTask):
+    raise ValueError(f"train.host_tables={list(names)}: host tables need the ads task (its batches read tables "
+                     f"only through lookups); this config's task is {type(task).__name__}")
+  if names and cfg.train.embedding_update != "sparse":
+    raise ValueError(f"train.host_tables={list(names)} need train.embedding_update=sparse: the dense form "
+                     "differentiates and updates every row of a table, which a cache does not hold")
+  if not (names and allocate):
+    return names, contextlib.nullcontext()
+  host_tables_lib.check_host_memory(cfg, source.spec)
+  return names, jax.default_device(jax.local_devices(backend="cpu")[0])
 
 
 def _capacities(lookup_trace, source, p, first, slack, multiple, engine: str):

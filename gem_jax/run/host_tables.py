@@ -38,7 +38,6 @@ from collections import deque
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -235,7 +234,7 @@ def _host_value(x) -> np.ndarray:
 
 # ---- the ids of a batch -------------------------------------------------------------------------------------
 
-def _id_fields(batch: Batch, spec) -> list[tuple[str, str, Any]]:
+def id_fields(batch: Batch, spec) -> list[tuple[str, str, Any]]:
   """(table, where, valid) of every id array of a sharded ads batch (leading dim S): `where` names the field
   ("sparse/<f>", "multi_hot/<f>", "history/<i>"), `valid` marks the real ids (jagged padding is not read:
   the model masks it to id 0, which is slot 0 here)."""
@@ -256,7 +255,7 @@ def _jagged_valid(jag: Jagged) -> np.ndarray:
   return np.arange(values.shape[1])[None, :] < offsets[:, -1:]
 
 
-def _get(batch: Batch, where: str) -> np.ndarray:
+def field_values(batch: Batch, where: str) -> np.ndarray:
   kind, key = where.split("/", 1)
   if kind == "sparse":
     return np.asarray(batch.sparse[key])
@@ -341,13 +340,13 @@ class HostTables:
     rows_U[j] = i (rows_U: the table's distinct ids in the batch, sorted)."""
     if not isinstance(sharded, Batch):
       raise TypeError(f"host tables need the ads batch (gem_jax/data/batch.py Batch), got {type(sharded).__name__}")
-    fields = [(t, w, v) for t, w, v in _id_fields(sharded, self.spec) if t in self.tables]
+    fields = [(t, w, v) for t, w, v in id_fields(sharded, self.spec) if t in self.tables]
     new = {}
     for name, table in self.tables.items():
       mine = [(w, v) for t, w, v in fields if t == name]
       if not mine:
         continue
-      arrays = [_get(sharded, w) for w, _ in mine]
+      arrays = [field_values(sharded, w) for w, _ in mine]
       picked = [a if v is None else a[v] for a, (_, v) in zip(arrays, mine)]
       ids = np.concatenate([np.reshape(p, -1) for p in picked]).astype(np.int64)
       bad = (ids < 0) | (ids >= table.num_rows)

@@ -163,8 +163,8 @@ def _in_rounds(collective, parts, capacity: int, uniform_axes, count, grow: int 
   device's valid rows, which come first; a cond on a flag every device agrees on), so no row is ever
   dropped and a batch a little over the capacity pays for the spill only, as sparse.send_to_owners. The
   collective returns `grow` x the rows it is given (an all-gather: the group size).
-  -> (the results, each group member's rows together in its order (sparse.by_source); {"spill" | "rest": 1 if that round ran}, also the named
-  scopes of their collectives)."""
+  -> (the results, each group member's rows together in its order (sparse.by_source); {"spill" | "rest": 1
+  if that round ran}, also the named scopes of their collectives)."""
   n = parts[0].shape[0]
   capacity = int(min(max(1, capacity), n))
   out, ran = [collective(*(x[:capacity] for x in parts))], {}
