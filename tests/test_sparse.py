@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gem_jax.parallel.rules import DATA_AXES, MESH_AXES
+from gem_jax.parallel import sparse
 from gem_jax.parallel.sparse import capacity_for, ideal_bytes, sharded_lookup
 
 V, E, N = 64, 8, 40
@@ -257,3 +258,12 @@ def test_every_slot_in_use_reads_every_row_exactly():
   np.testing.assert_array_equal(np.asarray(rows), reference_rows(table, ids))
   for key in ("spill", "second", "last_resort"):
     np.testing.assert_array_equal(np.asarray(stats[key]), 1, err_msg=key)
+
+
+def test_by_source_keeps_each_source_s_rows_together_whatever_round_carried_them():
+  """Round 1 carried 2 slots per source, the spill 1: an owner then adds a row's parts in source order."""
+  first = jnp.array([10, 11, 20, 21])     # [source 0: 10, 11 | source 1: 20, 21]
+  spill = jnp.array([12, 22])             # [source 0: 12 | source 1: 22]
+  assert sparse.by_source([first, spill], 2).tolist() == [10, 11, 12, 20, 21, 22]
+  rows = sparse.by_source([first[:, None] * jnp.ones((1, 3)), spill[:, None] * jnp.ones((1, 3))], 2)
+  assert rows.shape == (6, 3) and rows[:, 0].tolist() == [10, 11, 12, 20, 21, 22]
