@@ -7,9 +7,13 @@ entries spread over it. It was written by the step before "one step body" (commi
 
   GEM_JAX_WRITE_GOLDEN=1 python -m pytest tests/test_step_golden.py
 
-On the machine that wrote it the fingerprints agree bit for bit; the test allows 1e-6 relative, since
-XLA:CPU may vectorize a reduction differently on another CPU. A lost row gradient, a learning rate applied
-twice or a skipped write-back moves them by far more.
+On the machine that wrote it the fingerprints agree bit for bit. Another CPU rounds differently (XLA:CPU
+vectorizes reductions and approximates exp/tanh per instruction set), and three Adam steps carry that
+into the parameters: on a Xeon with AVX-512 (2026-12-04) the worst deviation was 2.0e-5 (sparse_cpu_1,
+the relative position bias's entries), 1.3e-5 and 1.6e-5 on cpu_8, every leaf within that, where the
+writing machine agreed exactly. The test allows 1e-4 relative. A lost row gradient, a learning rate
+applied twice or a skipped write-back moves parameters by a sizeable fraction of an update (Adam's
+first steps move every touched entry by about the learning rate): a learning rate 5% off moves them by 5e-2.
 """
 
 import json
@@ -25,6 +29,7 @@ from tests.run_helpers import tiny
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "step_golden.json"
 STEPS = 3
+TOLERANCE = 1e-4  # relative; the module docstring says why
 # The dense form on one device is held to the sparse engine by tests/test_sparse_engine.py; one step body
 # moved its one-device program by float32 roundings (5bad78f -> the next commit: sums of squares within 4e-7).
 CASES = {"sparse_cpu_1": ("sparse", None), "sparse_cpu_8": ("sparse", "meshes/cpu_8.yaml"),
@@ -73,4 +78,4 @@ def test_parameters_after_three_steps_match_the_saved_ones(case):
     scale = max(max(abs(e) for e in w["entries"]), 1e-12)
     worst = max(worst, max(abs(a - b) for a, b in zip(g["entries"], w["entries"])) / scale)
   print(f"{case}: worst relative deviation from the saved parameters {worst:.3g}")
-  assert worst <= 1e-6, (case, worst)
+  assert worst <= TOLERANCE, (case, worst)
