@@ -174,7 +174,10 @@ def _parse_tuple(value: str, typ, key: str) -> tuple:
   if item not in (int, float, str):
     raise ValueError(f"--set {key}: fields of type {typ} cannot be set from the command line")
   try:
-    parsed = json.loads(value if value.startswith("[") else f"[{value}]")
+    if item is str and not value.startswith("["):  # names need no quotes: users,ads
+      parsed = [x.strip() for x in value.split(",") if x.strip()]
+    else:
+      parsed = json.loads(value if value.startswith("[") else f"[{value}]")
   except json.JSONDecodeError as e:
     raise ValueError(f"--set {key}={value!r}: cannot parse as {typ} (a JSON list, or values separated by "
                      "commas)") from e

@@ -207,6 +207,10 @@ def test_tuple_overrides_take_the_element_type():
                                               "model.hstu.keep_last=16,8"])
   assert cfg.data.pipeline.history_bucket_fractions == (0.5, 1.0) and cfg.model.hstu.keep_last == (16, 8)
   assert all(type(f) is float for f in cfg.data.pipeline.history_bucket_fractions)
+  # Names as a user types them (no JSON quotes), and as JSON.
+  for value in ("user_id,ad_id", " user_id , ad_id", '["user_id", "ad_id"]'):
+    assert apply_overrides(configs.get("tiny"), [f"train.host_tables={value}"]).train.host_tables == ("user_id", "ad_id")
+  assert apply_overrides(configs.get("tiny"), ["train.host_tables="]).train.host_tables == ()
 
 
 def test_overrides_that_need_each_other_apply_together():
