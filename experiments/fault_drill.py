@@ -3,6 +3,8 @@
 
   python experiments/fault_drill.py --kills 5 --out drill.json           # ~2 min on 2 CPU cores
   python experiments/fault_drill.py --kills 2 --steps 12 --out drill.json   # the CI size
+  python experiments/fault_drill.py --processes 2 --mesh meshes/cpu_8.yaml --kills 3 \
+      --set train.host_tables=users,ads --out drill_2p.json   # 2 processes x 4 devices, host tables
 
 Writes --out (JSON): `identical` (every per-step loss, the final train state and the final evaluation bit
 for bit equal), the kill points, the steps lost per kill and wall times. Exit status 0 only when identical.
@@ -25,12 +27,17 @@ def main(argv=None) -> int:
   p.add_argument("--workdir", default=None, help="where the two runs go (default: a temporary folder, deleted "
                  "when the drill passes)")
   p.add_argument("--keep-runs", action="store_true", help="keep the temporary run folders")
-  p.add_argument("--timeout", type=float, default=900, help="seconds one trainer process may take")
+  p.add_argument("--timeout", type=float, default=900, help="seconds one start of the trainer may take")
+  p.add_argument("--processes", type=int, default=1, help="trainer processes per start (multi-process mode: each "
+                 "kill takes one of them, the others are killed --grace seconds later, all restart)")
+  p.add_argument("--mesh", default=None, help="mesh file the processes split (default: one device per process)")
+  p.add_argument("--grace", type=float, default=5.0, help="multi-process: seconds the other processes may run on "
+                 "after one is killed")
   args = p.parse_args(argv)
   from gem_jax.train import fault_drill
   try:
     spec = fault_drill.Drill(args.kills, args.steps, args.checkpoint_every, args.seed, args.config, tuple(args.set),
-                             args.workdir, args.keep_runs, args.timeout)
+                             args.workdir, args.keep_runs, args.timeout, args.processes, args.mesh, args.grace)
   except ValueError as e:
     p.error(str(e))
   result = fault_drill.drill(spec)

@@ -1,10 +1,14 @@
 """Host tables (gem_jax/run/host_tables.py): the slot policy of one cache, the batch's ids rewritten to slots,
 and training with tables in host memory bit for bit equal to training with them on the device, through
 evictions, on one device and on a mesh where the tables' rows are sharded, through a checkpoint taken with
-one cache size and restored with another, and in evaluation."""
+one cache size and restored with another, in evaluation, and through the multi-process fault drill."""
 
 import dataclasses
+import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -19,6 +23,7 @@ from gem_jax.train.checkpoint import Checkpointer, fingerprint
 from tests import run_helpers
 
 HOST = 'train.host_tables=["ad_id","user_id"]'
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = int(os.environ.get("GEM_JAX_HOST_TABLE_STEPS", "8"))  # 50: the issue's acceptance run
 
 
@@ -176,13 +181,35 @@ def test_a_checkpoint_from_one_cache_size_resumes_with_another_and_evaluations_m
   got = jobs.train_config(_config(*sets, HOST, "train.host_cache_fraction=0.01"), str(tmp_path / "host"),
                           progress=False, report=False, resume=True)
   assert got["evaluations"] == want["evaluations"] and got["tasks"] == want["tasks"]
+  # A host-table checkpoint holds the tables whole, as a device-table run's does: one restore target for both.
+  target = build(_config(*sets), abstract=True).abstract_state()
   prints = []
   for name in ("device", "host"):
-    run = build(_config(*sets, HOST) if name == "host" else _config(*sets))
     with Checkpointer(os.path.join(tmp_path, name, "checkpoints"), keep=3, save_every=4) as ckpt:
-      _, state, _ = ckpt.restore(8, abstract_state=run.restore_target())
+      _, state, _ = ckpt.restore(8, abstract_state=target)
     prints.append(fingerprint(state))
   assert np.array_equal(prints[0], prints[1])
+
+
+@pytest.mark.slow
+def test_the_multi_process_fault_drill_resumes_host_tables_bit_for_bit(tmp_path):
+  """experiments/fault_drill.py --processes 2 on cpu_2 (each process owns half of every table's rows) with
+  ad_id and user_id in host memory behind 20% caches (ad_id evicts from the first steps): process 0 (the
+  coordinator) killed before checkpoint 4 is handed to orbax, then process 1 at step 7 after the restart
+  committed it; the resumed run is bit for bit the unbroken one."""
+  out = tmp_path / "drill.json"
+  cmd = [sys.executable, "experiments/fault_drill.py", "--processes", "2", "--mesh", "meshes/cpu_2.yaml", "--kills",
+         "2", "--steps", "8", "--seed", "0", "--grace", "2", "--set", "train.host_tables=user_id,ad_id", "--set",
+         "train.host_cache_fraction=0.2", "--timeout", "300", "--out", str(out), "--workdir", str(tmp_path / "runs")]
+  proc = subprocess.run(cmd, cwd=ROOT, env=run_helpers.child_env(), capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  drill = json.loads(out.read_text())
+  assert drill["identical"] and drill["losses_identical"] and drill["state_identical"] and drill["eval_identical"]
+  assert drill["processes"] == 2 and drill["steps_compared"] == 8 and drill["leaves_compared"] > 100
+  kills = drill["kills"]
+  assert [(k["kind"], k["step"], k["process"]) for k in kills] == [("save_begin", 4, 0), ("step", 7, 1)]
+  assert [k["resumed_from"] for k in kills] == [0, 4] and kills[1]["checkpoints_on_disk"] == [4]
+  assert all(set(k["other_processes"]) == {str(1 - k["process"])} for k in kills)
 
 
 # ---- what is refused --------------------------------------------------------------------------------------

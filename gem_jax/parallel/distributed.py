@@ -91,9 +91,24 @@ def setup(s: ProcessSetup) -> None:
     return
   if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or not _has_accelerator():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _no_persistent_cache_across_cpu_processes()
   # Unset fields (a cluster launch) are detected by JAX from the cluster manager's environment.
   jax.distributed.initialize(coordinator_address=s.coordinator, num_processes=s.num_processes,
                              process_id=s.process_id)
+
+
+def _no_persistent_cache_across_cpu_processes() -> None:
+  """Turns JAX's persistent compilation cache off in a multi-process CPU run. Process 0 alone writes the
+  cache and every process reads it, but an XLA:CPU executable with gloo collectives is not the same program
+  in another process: on jax 0.10.2, the second 2-process run of `tiny` on cpu_8 with one cache folder
+  aborts in its first steps ("gloo ... Received data size doesn't match expected size. Is there a
+  distributed collective mismatch"), where the first run, and every run without the cache, trains. Each
+  process compiles for itself instead."""
+  import jax
+  if jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    warnings.warn("multi-process CPU run: the persistent compilation cache is turned off (its executables do not "
+                  "carry over between processes; gem_jax/parallel/distributed.py)", stacklevel=3)
+  jax.config.update("jax_enable_compilation_cache", False)
 
 
 def _has_accelerator() -> bool:

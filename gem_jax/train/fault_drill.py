@@ -11,7 +11,15 @@ Kill points are drawn (seeded by --seed) from three kinds of moment, each used o
   save_begin    just before checkpoint N is handed to orbax (the device-to-host copy)
   save_started  just after that hand-off returns, while the asynchronous write is in flight
 Every trainer process shares one persistent compilation cache (in the work folder), so only the reference
-run pays for compiling. The trainer announces these moments on stdout (`train(on_event=...)`); the drill kills the moment it reads
+run pays for compiling.
+
+Multi-process mode (`processes` > 1, with a mesh file whose devices the processes split): each run above is
+a group of processes on one coordinator (a fresh port each start), and each kill takes one process of the
+group, the i-th kill process i mod `processes` (so the coordinator dies too). The others are left `grace_s`
+seconds to notice (a peer's death fails their next collective or heartbeat) and are then killed, as a
+cluster scheduler ends a job step whose task died; then the whole group is restarted with resume. The
+comparison restores both runs' last checkpoints on one device (resharded), so it checks the checkpoint a
+multi-process run wrote as well as the training. The trainer announces these moments on stdout (`train(on_event=...)`); the drill kills the moment it reads
 the line, so the process dies a few milliseconds later, wherever it got to.
 
 Written to --out (JSON): `identical` (every per-step loss, the final train state -- params, optimizer
@@ -33,6 +41,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from gem_jax.parallel import distributed
@@ -54,16 +63,34 @@ class Drill:
   workdir: str | None = None
   keep_runs: bool = False
   timeout: float = 900.0
+  processes: int = 1
+  mesh: str | None = None      # mesh file; default one device (one per process)
+  grace_s: float = 5.0         # multi-process: how long the others of a killed process may run on
 
   def __post_init__(self):
     if self.kills < 0 or self.steps < 2 or self.checkpoint_every < 1:
       raise ValueError("a drill needs kills >= 0, steps >= 2, checkpoint_every >= 1")
+    if self.processes < 1 or self.grace_s < 0:
+      raise ValueError(f"a drill needs processes >= 1 and grace_s >= 0, got {self.processes} and {self.grace_s}")
+    devices = self.mesh_devices()
+    if devices % self.processes:
+      raise ValueError(f"mesh {self.mesh} has {devices} devices, which {self.processes} processes cannot split evenly")
+
+  def mesh_devices(self) -> int:
+    if self.mesh is None:
+      return self.processes
+    from gem_jax.parallel import mesh as mesh_lib
+    return mesh_lib.load(self.mesh).num_devices
+
+  def devices_per_process(self) -> int:
+    return self.mesh_devices() // self.processes
 
 
 def _overrides(args) -> list[str]:
   return [f"train.steps={args.steps}", f"train.checkpoint_every={args.checkpoint_every}", "train.log_every=1",
           f"train.eval_every={args.steps}", "train.eval_examples=256", "train.keep_checkpoints=3",
-          "train.warmup_steps=2", "model.hstu.dropout_rate=0.1", *args.sets]
+          "train.warmup_steps=2", "model.hstu.dropout_rate=0.1", *([f"mesh={args.mesh}"] if args.mesh else []),
+          *args.sets]
 
 
 def _config(args):
@@ -75,8 +102,11 @@ def _config(args):
 # ---- the trainer process ----------------------------------------------------------------------------
 
 
-def worker(args: Drill, run_dir: str) -> int:
-  """The trainer process of a drill: resumes run_dir and announces each moment on stdout."""
+def worker(args: Drill, run_dir: str, process_id: int = 0, coordinator: str | None = None) -> int:
+  """The trainer process of a drill: resumes run_dir and announces each moment on stdout. In a
+  multi-process drill, process `process_id` of the group on `coordinator` (host:port)."""
+  if args.processes > 1:
+    distributed.setup(distributed.ProcessSetup(coordinator, args.processes, process_id))
   from gem_jax.train.jobs import train_config
 
   def emit(name: str, step: int) -> None:
@@ -87,14 +117,17 @@ def worker(args: Drill, run_dir: str) -> int:
   return 0
 
 
-def _worker_cmd(args: Drill, run_dir: str) -> list[str]:
-  return [sys.executable, "-m", "gem_jax.train.fault_drill", run_dir, json.dumps(dataclasses.asdict(args))]
+def _worker_cmd(args: Drill, run_dir: str, process_id: int, coordinator: str | None) -> list[str]:
+  return [sys.executable, "-m", "gem_jax.train.fault_drill", run_dir, json.dumps(dataclasses.asdict(args)),
+          str(process_id), coordinator or ""]
 
 
-def _env(cache_dir: str) -> dict:
-  """One CPU device, and a persistent compilation cache shared by every trainer process of the drill (as
-  restarts on a cluster share one): the reference run compiles, the restarts load the same executables."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=distributed.cpu_device_flags(os.environ.get("XLA_FLAGS"), 1),
+def _env(args: Drill, cache_dir: str) -> dict:
+  """Each process's share of the mesh's CPU devices, and a persistent compilation cache shared by every
+  trainer process of the drill (as restarts on a cluster share one): the reference run compiles, the
+  restarts load the same executables."""
+  flags = distributed.cpu_device_flags(os.environ.get("XLA_FLAGS"), args.devices_per_process())
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags,
              JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -102,17 +135,29 @@ def _env(cache_dir: str) -> dict:
   return env
 
 
-def _run(args, run_dir: str, log, kill_at: tuple[str, int] | None, timeout: float) -> dict:
-  """One trainer process; kill_at (kind, step): SIGKILL it when it announces that moment."""
+def _free_port() -> int:
+  import socket
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
+
+
+def _run(args: Drill, run_dir: str, log, kill_at: tuple[str, int] | None, victim: int = 0) -> dict:
+  """One start of the trainer: its processes (one, or a multi-process group on a fresh coordinator port).
+  The drill reads process `victim`'s announcements (the others write to the log) and, kill_at (kind,
+  step) given, SIGKILLs that process when it announces that moment, then the others after args.grace_s."""
   t0 = time.perf_counter()
-  proc = subprocess.Popen(_worker_cmd(args, run_dir), stdout=subprocess.PIPE, stderr=log, text=True,
-                          env=_env(os.path.join(os.path.dirname(run_dir), "compile_cache")))
-  seen = {"start": None, "last_step": None, "killed": False}
+  coordinator = f"localhost:{_free_port()}" if args.processes > 1 else None
+  env = _env(args, os.path.join(os.path.dirname(run_dir), "compile_cache"))
+  procs = [subprocess.Popen(_worker_cmd(args, run_dir, i, coordinator), stdout=subprocess.PIPE if i == victim else log,
+                            stderr=log, text=True, env=env) for i in range(args.processes)]
+  # A hung process (a collective whose peer died, a deadlock) ends the start instead of the drill's caller.
+  fired = threading.Event()
+  timer = threading.Timer(args.timeout, lambda: (fired.set(), [p.kill() for p in procs]))
+  timer.start()
+  seen = {"start": None, "last_step": None, "killed": False, "process": victim}
   try:
-    for line in proc.stdout:
-      if time.perf_counter() - t0 > timeout:
-        proc.kill()
-        raise TimeoutError(f"trainer process ran past {timeout:.0f} s")
+    for line in procs[victim].stdout:
       if not line.startswith(MARK):
         continue
       _, name, value = line.split()
@@ -122,18 +167,40 @@ def _run(args, run_dir: str, log, kill_at: tuple[str, int] | None, timeout: floa
       elif name == "step":
         seen["last_step"] = step
       if kill_at is not None and (name, step) == kill_at:
-        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(procs[victim].pid, signal.SIGKILL)
         seen["killed"] = True
         break
+    if seen["killed"] or procs[victim].wait() != 0:
+      # Killed, or dead on its own: the others would wait in a collective until the timeout.
+      seen["others"] = _end_others(procs, victim, args.grace_s)
   finally:
-    rc = proc.wait()
-  seen.update(returncode=rc, wall_s=round(time.perf_counter() - t0, 2))
-  if kill_at is None and rc != 0:
-    raise RuntimeError(f"trainer process failed (exit {rc}); its stderr is in {log.name}")
+    codes = [p.wait() for p in procs]
+    timer.cancel()
+  seen.update(returncode=codes[victim], wall_s=round(time.perf_counter() - t0, 2))
+  if fired.is_set():
+    raise TimeoutError(f"trainer processes ran past {args.timeout:.0f} s; their stderr is in {log.name}")
+  if kill_at is None and any(codes):
+    raise RuntimeError(f"trainer process failed (exit codes {codes}); their stderr is in {log.name}")
   if kill_at is not None and not seen["killed"]:
-    raise RuntimeError(f"trainer process ended (exit {rc}) before reaching the kill point {kill_at}; its stderr "
-                       f"is in {log.name}")
+    raise RuntimeError(f"trainer process {victim} ended (exit {codes[victim]}) before reaching the kill point "
+                       f"{kill_at}; its stderr is in {log.name}")
   return seen
+
+
+def _end_others(procs: list, victim: int, grace_s: float) -> dict[int, str]:
+  """The processes of a group other than the killed one: each either exits within grace_s of the kill
+  (how, by exit status) or is killed then."""
+  deadline = time.monotonic() + grace_s
+  ended = {}
+  for i, p in enumerate(procs):
+    if i == victim:
+      continue
+    try:
+      ended[i] = f"exited {p.wait(timeout=max(0.0, deadline - time.monotonic()))}"
+    except subprocess.TimeoutExpired:
+      p.kill()
+      ended[i] = f"killed after {grace_s:g} s"
+  return ended
 
 
 # ---- the drill ---------------------------------------------------------------------------------------
@@ -192,7 +259,11 @@ def _compare(args, ref_dir: str, drill_dir: str) -> dict:
   loss_diffs = [s for s in sorted(set(ref_losses) | set(drill_losses))
                 if s not in ref_losses or s not in drill_losses
                 or np.float64(ref_losses[s]).tobytes() != np.float64(drill_losses[s]).tobytes()]
-  abstract = build(_config(args), abstract=True).abstract_state()  # shapes and shardings only: nothing compiled
+  # On one device whatever mesh the runs had (the restore reshards), and host tables as device tables:
+  # checkpoints hold them whole. Shapes and shardings only, nothing compiled.
+  cfg = _config(args)
+  cfg = dataclasses.replace(cfg, mesh=None, train=dataclasses.replace(cfg.train, host_tables=()))
+  abstract = build(cfg, abstract=True).abstract_state()
   states = []
   for d in (ref_dir, drill_dir):
     with Checkpointer(os.path.join(d, "checkpoints"), keep=3, save_every=args.checkpoint_every) as ckpt:
@@ -228,20 +299,21 @@ def drill(args: Drill) -> dict:
   print(f"fault drill: {args.steps} steps of {args.config}, a checkpoint every {args.checkpoint_every}; kill points "
         f"{plan}; runs in {work}", flush=True)
   with open(os.path.join(work, "reference.log"), "w") as log:
-    ref = _run(args, ref_dir, log, None, args.timeout)
+    ref = _run(args, ref_dir, log, None)
   print(f"  reference run: {ref['wall_s']} s", flush=True)
   kills = []
   with open(os.path.join(work, "drilled.log"), "w") as log:
-    for kind, step in plan:
-      seen = _run(args, drill_dir, log, (kind, step), args.timeout)
+    for i, (kind, step) in enumerate(plan):
+      seen = _run(args, drill_dir, log, (kind, step), victim=i % args.processes)
       committed = sorted(int(n) for n in os.listdir(os.path.join(drill_dir, "checkpoints")) if n.isdigit())
-      kills.append({"kind": kind, "step": step, "process_started_at": seen["start"],
+      kills.append({"kind": kind, "step": step, "process": seen["process"], "process_started_at": seen["start"],
                     "last_step_dispatched": seen["last_step"], "process_wall_s": seen["wall_s"],
                     "checkpoints_on_disk": committed,
-                    **({"save_committed": step in committed} if kind != "step" else {})})
-      print(f"  killed at {kind} {step} (last step dispatched {seen['last_step']}, checkpoints on disk "
+                    **({"save_committed": step in committed} if kind != "step" else {}),
+                    **({"other_processes": seen["others"]} if args.processes > 1 else {})})
+      print(f"  killed process {seen['process']} at {kind} {step} (last step dispatched {seen['last_step']}, checkpoints on disk "
             f"{committed})", flush=True)
-    final = _run(args, drill_dir, log, None, args.timeout)
+    final = _run(args, drill_dir, log, None)
   restarts = [k["process_started_at"] for k in kills[1:]] + [final["start"]]
   for k, resumed in zip(kills, restarts):
     k["resumed_from"] = resumed
@@ -251,7 +323,7 @@ def drill(args: Drill) -> dict:
   result.update(
       kills=kills, steps_lost=[k["steps_lost"] for k in kills], total_steps_lost=sum(k["steps_lost"] for k in kills),
       config=args.config, steps=args.steps, checkpoint_every=args.checkpoint_every, seed=args.seed,
-      overrides=_overrides(args), reference_wall_s=ref["wall_s"],
+      processes=args.processes, mesh=args.mesh, overrides=_overrides(args), reference_wall_s=ref["wall_s"],
       drilled_wall_s=round(sum(k["process_wall_s"] for k in kills) + final["wall_s"], 2),
       wall_s=round(time.perf_counter() - t0, 2), workdir=work)
   if not args.keep_runs and args.workdir is None and result["identical"]:
@@ -260,5 +332,6 @@ def drill(args: Drill) -> dict:
   return result
 
 
-if __name__ == "__main__":  # a trainer process: python -m gem_jax.train.fault_drill RUN_DIR DRILL_JSON
-  sys.exit(worker(Drill(**{k: tuple(v) if k == "sets" else v for k, v in json.loads(sys.argv[2]).items()}), sys.argv[1]))
+if __name__ == "__main__":  # a trainer process: python -m gem_jax.train.fault_drill RUN_DIR DRILL_JSON PROCESS_ID COORDINATOR
+  spec = Drill(**{k: tuple(v) if k == "sets" else v for k, v in json.loads(sys.argv[2]).items()})
+  sys.exit(worker(spec, sys.argv[1], int(sys.argv[3]), sys.argv[4] or None))
