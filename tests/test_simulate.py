@@ -92,3 +92,41 @@ def test_lookups_are_read_off_the_trace_on_samples_of_the_source():
 def test_bad_batch_is_refused():
   with pytest.raises(mesh_lib.MeshFileError, match="batch size 98"):
     simulate(_tiny(), _mesh("cpu_8"), batch_size=98)
+
+
+def test_host_tables_count_their_caches_on_the_device_and_their_misses_on_the_host_link():
+  """tiny with 100,000-row user and ad tables on h200_2x4 (row sharded over sparse 2): ad_id and user_id
+  behind 20% caches. The device holds a fifth of their rows and Adagrad sums; every other number is the
+  device tier's; the host link's time is the step's bytes over its bandwidth, waited for only past the
+  step (a slow link)."""
+  import dataclasses
+
+  from gem_jax.data.spec import ads_feature_spec
+  mesh = _mesh("h200_2x4")
+  cfg = _tiny()
+  spec = ads_feature_spec(users=100_000, ads=100_000, advertisers=100, categories=20, embed_dim=16, max_history=32,
+                          max_interests=4, num_domains=2)
+  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, spec=spec))
+  hosted = apply_overrides(cfg, ["train.host_tables=user_id,ad_id", "train.host_cache_fraction=0.2"])
+  device, host = simulate(cfg, mesh), simulate(hosted, mesh)
+  assert "host_tables" not in device
+  tables = host["host_tables"]["tables"]
+  saved = 0.0
+  for name, t in tables.items():
+    rows, dim = cfg.data.spec.table(name).vocab_size, cfg.data.spec.table(name).dim
+    assert t["row_bytes"] == 4 * dim + 4  # f32 row and its row-wise Adagrad sum
+    assert t["owners"] == 2 and t["cache_rows_per_owner"] == math.ceil(math.ceil(0.2 * rows) / 2)
+    assert t["host_store_bytes"] == rows * t["row_bytes"]
+    assert 0 < t["misses_per_step_per_device"] <= t["cache_rows_per_owner"]
+    assert t["h2d_bytes_per_step"] == t["misses_per_step_per_device"] * t["row_bytes"] == t["d2h_bytes_per_step"]
+    saved += (rows - 2 * t["cache_rows_per_owner"]) * t["row_bytes"] / 2  # per device: its owner shard
+  got = device["memory"]["params"] + device["memory"]["optimizer"] - host["memory"]["params"] - host["memory"]["optimizer"]
+  assert got == pytest.approx(saved, rel=1e-6)
+  assert host["comm"]["total"] == device["comm"]["total"] and host["flops"] == device["flops"]
+  t = host["time"]
+  link = host["host_tables"]["h2d_bytes_per_step"] / mesh.hardware.host_link_bandwidth
+  assert t["host_link_s"] == pytest.approx(link) and t["host_wait_s"] == 0.0 < link < t["step_s"]
+  slow = dataclasses.replace(mesh, hardware=dataclasses.replace(mesh.hardware, host_link_bandwidth=1e3))
+  t_slow = simulate(hosted, slow)["time"]
+  assert t_slow["host_wait_s"] > 0 and t_slow["host_wait_s"] == pytest.approx(t_slow["host_link_s"] - t["step_s"])
+  assert t_slow["step_s"] == pytest.approx(t["step_s"] + t_slow["host_wait_s"])

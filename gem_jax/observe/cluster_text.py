@@ -322,6 +322,22 @@ def _ms_column(s: float) -> str:
   return f"{s * 1e3:10.3f}"
 
 
+def _host_lines(host: dict, t: dict | None) -> list[str]:
+  """Host tables: per table the device cache and the host store, and the step's traffic over the host link
+  (a bound: simulate.host_tier)."""
+  unit, scale = _unit(max([host["host_bytes_per_process"]] + [1.0]))
+  lines = [f"host tables ({unit}; per step a bound: {host['bound']}):"]
+  for name, h in host["tables"].items():
+    lines.append(f"  {name}: {h['rows']:,} rows of {h['row_bytes']} B on the host ({h['host_store_bytes'] / scale:.3f}); "
+                 f"{h['cache_rows_per_owner']:,} cached per owner shard ({h['device_cache_bytes'] / scale:.3f}); "
+                 f"<= {h['misses_per_step_per_device']:,.0f} rows in and out per device per step")
+  link = ("" if t is None or "host_link_s" not in t else
+          f"; the host link takes {t['host_link_s'] * 1e3:.3f} ms, of which the step waits {t['host_wait_s'] * 1e3:.3f}")
+  lines.append(f"  per device per step: {host['h2d_bytes_per_step'] / scale:.4f} in, {host['d2h_bytes_per_step'] / scale:.4f} "
+               f"out{link}; host memory per process {host['host_bytes_per_process'] / scale:.3f}")
+  return lines
+
+
 def simulation_lines(sim: dict, mesh_spec, config: str) -> list[str]:
   """The readable lines printed after a simulation."""
   hw = mesh_spec.hardware
@@ -333,10 +349,12 @@ def simulation_lines(sim: dict, mesh_spec, config: str) -> list[str]:
   if t is None:
     lines.append("time: none - the mesh file gives no peak FLOP/s or bandwidths (a CPU file); bytes and memory only")
   else:
-    hidden = max(0.0, t["step_s"] - t["compute_s"] - t["exposed_comm_s"])
+    wait = t.get("host_wait_s", 0.0)
+    hidden = max(0.0, t["step_s"] - wait - t["compute_s"] - t["exposed_comm_s"])
     lines.append(f"step {t['step_s'] * 1e3:.3f} ms = compute {t['compute_s'] * 1e3:.3f} + exposed comm (lookups, "
                  f"tensor/context sums) {t['exposed_comm_s'] * 1e3:.3f} + parameter comm not hidden {hidden * 1e3:.3f}"
-                 f" (of {t['params_comm_s'] * 1e3:.3f}); MFU {100 * sim['mfu']:.2f}% of "
+                 f" (of {t['params_comm_s'] * 1e3:.3f})" + (f" + host link wait {wait * 1e3:.3f}" if "host_wait_s" in t else "")
+                 + f"; MFU {100 * sim['mfu']:.2f}% of "
                  f"{hw.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16")
   m = sim["memory"]
   unit, scale = _unit(max(m["total"], m["hbm_bytes"] or 0.0))
@@ -348,6 +366,8 @@ def simulation_lines(sim: dict, mesh_spec, config: str) -> list[str]:
   else:
     lines.append(f"memory per device ({unit}): {mem} = {m['total'] / scale:.2f} of {m['hbm_bytes'] / scale:.0f} HBM: "
                  + ("fits" if m["fits"] else "DOES NOT FIT"))
+  if "host_tables" in sim:
+    lines += _host_lines(sim["host_tables"], t)
   comm = sim["comm"]
   unit, scale = _unit(comm["total"])
   lines.append(f"comm per device per step ({unit}) by kind: "

@@ -73,13 +73,14 @@ class Preset:
 
 
 HARDWARE: dict[str, Preset] = {p.name: p for p in (
-    Preset("h200", 8, Hardware("NVIDIA H200 SXM", 9.89e14, 1.979e15, 1.41e11, 4.8e12, 4.5e11, 5.0e10),
+    Preset("h200", 8, Hardware("NVIDIA H200 SXM", 9.89e14, 1.979e15, 1.41e11, 4.8e12, 4.5e11, 5.0e10, 6.3e10),
            "NVIDIA H200 data sheet: 989 TFLOP/s bf16 and 1979 fp8 dense, 141 GB HBM3e at 4.8 TB/s, NVLink "
-           "900 GB/s (450 each way); one 400 Gb/s NIC per GPU (50 GB/s). Same as meshes/h200_1024_5d.yaml", "h200"),
-    Preset("h100", 8, Hardware("NVIDIA H100 SXM", 9.89e14, 1.979e15, 8.0e10, 3.35e12, 4.5e11, 5.0e10),
+           "900 GB/s (450 each way); one 400 Gb/s NIC per GPU (50 GB/s); PCIe Gen5 x16 to the host (63 GB/s "
+           "each way). Same as meshes/h200_1024_5d.yaml", "h200"),
+    Preset("h100", 8, Hardware("NVIDIA H100 SXM", 9.89e14, 1.979e15, 8.0e10, 3.35e12, 4.5e11, 5.0e10, 6.3e10),
            "NVIDIA H100 SXM data sheet: 989 TFLOP/s bf16 and 1979 fp8 dense (half its with-sparsity "
-           "figures), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s "
-           "ConnectX-7 per GPU (50 GB/s)", "h100"),
+           "figures), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (450 each way), PCIe Gen5 x16 to the host "
+           "(63 GB/s each way); DGX H100: one 400 Gb/s ConnectX-7 per GPU (50 GB/s)", "h100"),
 )}
 
 

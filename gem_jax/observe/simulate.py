@@ -7,6 +7,7 @@ compiling or allocating anything (the model is built with nnx.eval_shape), for 8
                                        `large`): build once and pass as `shapes` to time many meshes
   retime(sim, mesh_spec, overlap, efficiency) -> the "time" of a result on a mesh of the same axis sizes
                                        with another intra-node placement or hardware (no re-simulation)
+  host_tier(...)                       host tables (train.host_tables): caches, stores, host link bytes
 
 Bytes per device per train step, in the key format of gem_jax/observe/hlo.summarize ("by_kind",
 "by_axis" keyed "fsdp", "replica,sparse", ...; traffic model of hlo.py: ring all-gather / reduce-scatter
@@ -408,9 +409,53 @@ def simulate(cfg, mesh_spec: MeshSpec, *, batch_size: int | None = None, mean_hi
       "time": _times([(part, key, moved) for part, _, key, moved in comm.items], mesh_spec,
                      step_flops / n_dev, overlap, efficiency),
   }
+  if cfg.train.host_tables:
+    out["host_tables"] = host_tier(cfg, shapes, table_uniques, p.table_axes, mesh_spec)
+    out["time"] = _with_host_wait(out["time"], out["host_tables"], hw)
   out["mfu"] = (None if out["time"] is None
                 else step_flops / (out["time"]["step_s"] * hw.peak_bf16_flops * n_dev))
   return out
+
+
+def host_tier(cfg, shapes: ModelShapes, table_uniques: dict, table_axes: dict, mesh_spec: MeshSpec) -> dict:
+  """Per host table (gem_jax/run/host_tables.py) of a step on `mesh_spec`: the device cache (already what
+  the memory counts: the abstract run's table leaves are its caches), the host store, and the rows each
+  device's cache takes in and writes back per step. The misses are a bound: every distinct row a step
+  reads missing (a cold cache; no row reused from the step before), with each data shard's distinct rows
+  counted apart (no overlap between shards), spread evenly over the owner shards; each miss evicts a row
+  whose values go back to the host. A warm cache's hit rate (report.json's host_tables, or
+  experiments/bench_cache.py on the ids) scales the bytes down."""
+  from gem_jax.run import host_tables as host_lib
+  shape, shards = mesh_spec.shape, mesh_spec.data_shards
+  leaves = host_lib.host_leaves(shapes.run.state, list(cfg.train.host_tables))
+  tables = {}
+  for name, xs in leaves.items():
+    vocab = cfg.data.spec.table(name).vocab_size
+    row_bytes = sum(math.prod(x.shape[1:]) * np.dtype(x.dtype).itemsize for x in xs)
+    owners = math.prod(shape[a] for a in table_axes.get(name, ()))
+    per_owner = host_lib.cache_rows(cfg.train, vocab, owners)
+    distinct = min(vocab, shards * float(np.mean([len(u) for u in table_uniques[name][0]])))
+    misses = min(float(per_owner), distinct / owners)
+    tables[name] = {"rows": vocab, "row_bytes": row_bytes, "owners": owners, "cache_rows_per_owner": per_owner,
+                    "device_cache_bytes": per_owner * row_bytes, "host_store_bytes": vocab * row_bytes,
+                    "distinct_rows_per_step": distinct, "misses_per_step_per_device": misses,
+                    "h2d_bytes_per_step": misses * row_bytes, "d2h_bytes_per_step": misses * row_bytes}
+  return {"tables": tables, "bound": "every distinct row of a step a miss, each evicting a dirty row",
+          "h2d_bytes_per_step": sum(t["h2d_bytes_per_step"] for t in tables.values()),
+          "d2h_bytes_per_step": sum(t["d2h_bytes_per_step"] for t in tables.values()),
+          # Every process keeps a whole copy of each store today (gem_jax/run/host_tables.py).
+          "host_bytes_per_process": sum(t["host_store_bytes"] for t in tables.values())}
+
+
+def _with_host_wait(time_: dict | None, host: dict, hw) -> dict | None:
+  """`time_` with the host link's share: a step's misses and write-backs cross it while the step before
+  runs (the host plans a step ahead), so the step waits only for what exceeds it. No time without the
+  mesh file's host_link_bandwidth."""
+  if time_ is None or hw.host_link_bandwidth is None:
+    return time_
+  link_s = max(host["h2d_bytes_per_step"], host["d2h_bytes_per_step"]) / hw.host_link_bandwidth  # both ways at once
+  wait = max(0.0, link_s - time_["step_s"])
+  return {**time_, "host_link_s": link_s, "host_wait_s": wait, "step_s": time_["step_s"] + wait}
 
 
 def _check_time_args(overlap: float, efficiency: float) -> None:
@@ -460,4 +505,5 @@ def retime(sim: dict, mesh_spec: MeshSpec, *, overlap: float = 0.9, efficiency: 
         raise ValueError(f"retime: {sim['mesh']!r} moved bytes over {key!r}, an axis of which has size 1 on "
                          f"mesh {mesh_spec.name!r}: the axis sizes differ")
       items.append((part, key, moved))
-  return _times(items, mesh_spec, sim["flops"]["per_device"], overlap, efficiency)
+  time_ = _times(items, mesh_spec, sim["flops"]["per_device"], overlap, efficiency)
+  return _with_host_wait(time_, sim["host_tables"], mesh_spec.hardware) if "host_tables" in sim else time_

@@ -12,7 +12,8 @@ Schema (meshes/README.md has the prose):
   devices_per_node: 8
   intra_node: {fsdp: 4, sparse: 2}     # per axis, the part of its size laid out inside one node
   hardware: {device, peak_bf16_flops, peak_fp8_flops, hbm_bytes, hbm_bandwidth,
-             intra_node_bandwidth, inter_node_bandwidth}    # per device, bytes and bytes/s
+             intra_node_bandwidth, inter_node_bandwidth,
+             host_link_bandwidth}                          # per device, bytes and bytes/s
   rules: {logical_name: mesh axis | [mesh axes] | null}    # optional overrides of parallel/rules.py
                                                             # (parameter axes only: the batch always
                                                             # splits over the data axes)
@@ -38,7 +39,7 @@ import numpy as np
 from gem_jax.parallel.rules import DATA_AXES, DEFAULT_RULES, MESH_AXES, Rules
 
 HARDWARE_KEYS = ("device", "peak_bf16_flops", "peak_fp8_flops", "hbm_bytes", "hbm_bandwidth",
-                 "intra_node_bandwidth", "inter_node_bandwidth")
+                 "intra_node_bandwidth", "inter_node_bandwidth", "host_link_bandwidth")
 TOP_KEYS = ("name", "description", "axes", "devices_per_node", "intra_node", "hardware", "rules", "target")
 
 
@@ -55,6 +56,7 @@ class Hardware:
   hbm_bandwidth: float | None
   intra_node_bandwidth: float | None  # bytes/s per device over the node's links
   inter_node_bandwidth: float | None  # bytes/s per device across nodes
+  host_link_bandwidth: float | None = None  # bytes/s per device, each way, between host and device memory
 
 
 @dataclasses.dataclass(frozen=True)
