@@ -210,3 +210,19 @@ def test_compiled_memory_judges_the_top_layouts(small, small_plan):
   assert checked.rejected[-1].layout == top[0].layout and not checked.rejected[-1].fits
   assert checked.counts["compiled"] == 3 and len(checked.ranked) == len(small_plan.ranked) - 1
   assert plan_lib.check_compiled(small_plan, cfg, 0, fake_peak) is small_plan
+
+
+def test_smallest_finds_the_fewest_nodes_that_fit_and_host_tables_lower_it():
+  # small at batch 64 needs 10.1 MB per device at best on 8 H200s and 7.9 MB on 16; with user_id and ad_id
+  # in host memory behind 20% caches, 8.2 MB on 8. A 9 MB device tells them apart.
+  h200 = plan_lib.get_preset("h200")
+  preset = dataclasses.replace(h200, hardware=dataclasses.replace(h200.hardware, hbm_bytes=9.0e6))
+  cfg = apply_overrides(configs.get("small"), ["data.pipeline.batch_size=64"])
+  seen = []
+  found, tried = plan_lib.smallest(cfg, preset, max_devices=32, on_count=lambda d, w: seen.append((d, w)))
+  assert found.devices == 16 and tried == seen == [(8, 0), (16, len(found.ranked))] and found.ranked
+  hosted = apply_overrides(cfg, ["train.host_tables=user_id,ad_id"])
+  found, tried = plan_lib.smallest(hosted, preset, max_devices=32)
+  assert found.devices == 8 and tried == [(8, len(found.ranked))] and found.ranked
+  tight = dataclasses.replace(preset, hardware=dataclasses.replace(preset.hardware, hbm_bytes=1e6))
+  assert plan_lib.smallest(cfg, tight, max_devices=16) == (None, [(8, 0), (16, 0)])

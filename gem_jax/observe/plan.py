@@ -332,6 +332,33 @@ class Plan:
     return min(fitting, key=lambda kv: kv[1].step_s) if fitting else None
 
 
+def smallest(cfg, hardware: str | Preset = "h200", *, max_devices: int,
+             on_count: Callable[[int, int | str], None] | None = None, **options) -> tuple[Plan | None, list]:
+  """The smallest device count, whole nodes doubling from one (1, 2, 4, ... nodes up to max_devices), on
+  which some layout of `cfg` fits (with host tables: their caches, not the tables, in HBM): (its Plan, or
+  None when none fits up to max_devices; [(devices, layouts that fit, or why none could be laid out)]).
+  on_count(devices, what) is called as each count is done. options: plan()'s keywords; the model is read
+  once for every count."""
+  preset = get_preset(hardware)
+  _check_devices(max_devices, preset)
+  options.setdefault("shapes", sim_lib.model_shapes(cfg))
+  tried, devices = [], preset.devices_per_node
+  while devices <= max_devices:
+    try:
+      result = plan(cfg, devices, preset, **options)
+    except ValueError as e:  # no way to lay this count out (the batch does not divide, ...)
+      tried.append((devices, str(e)))
+      result = None
+    else:
+      tried.append((devices, len(result.ranked)))
+    if on_count is not None:
+      on_count(*tried[-1])
+    if result is not None and result.ranked:
+      return result, tried
+    devices *= 2
+  return None, tried
+
+
 def plan(cfg, devices: int, hardware: str | Preset = "h200", *, batch_size: int | None = None,
          mean_history: float | None = None, overlap: float = 0.9, efficiency: float = 0.5,
          max_tensor: int = MAX_TENSOR, max_context: int = MAX_CONTEXT,
