@@ -68,13 +68,15 @@ def main(argv=None) -> dict:
 
 def _smallest(p, cfg, args) -> int:
   """The device count --smallest finds (each count tried is printed), or a usage error when none fits."""
-  from gem_jax.observe import plan as plan_lib
+  from gem_jax.observe import cluster_text, plan as plan_lib
+
   def say(devices, what):
     print(f"{devices} devices: " + (f"{what} layouts fit" if isinstance(what, int) else f"no layout ({what})"),
           file=sys.stderr, flush=True)
 
   try:
     found, _ = plan_lib.smallest(cfg, args.hardware, max_devices=args.smallest, on_count=say,
+                                 progress=cluster_text.progress_printer(),
                                  batch_size=args.batch_size, mean_history=args.mean_history, overlap=args.overlap,
                                  efficiency=args.efficiency, max_tensor=args.max_tensor, max_context=args.max_context)
   except (KeyError, ValueError) as e:

@@ -225,7 +225,7 @@ def matching_meshes(devices: int, device_name: str) -> list[str]:
   return out
 
 
-def _progress_printer(every_s: float = 5.0):
+def progress_printer(every_s: float = 5.0):
   """A plan() progress callback printing a line to stderr at most every `every_s` seconds, and at the end."""
   last = [-every_s]
 
@@ -256,7 +256,7 @@ def plan_mesh(cfg, devices: int, preset, *, baseline_paths: list[str] | None = N
   print(f"planning {cfg.name} on {devices} x {preset.hardware.device}: reading the model and sample batches ...",
         file=sys.stderr, flush=True)
   result = plan_lib.plan(cfg, devices, preset, baseline_meshes=[mesh_lib.load(x) for x in paths],
-                         progress=_progress_printer(), **options)
+                         progress=progress_printer(), **options)
   if compile_top:
     print(f"compiling the first {min(compile_top, len(result.ranked))} layouts' train steps for "
           f"{preset.target} (deviceless) ...", file=sys.stderr, flush=True)
