@@ -23,8 +23,24 @@ def _losses(out_dir):
   return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+def _count_step_traces(monkeypatch) -> list:
+  """A list that grows by one each time a train step is traced (the task's loss sums, outside count-only
+  traces; the eval step does not call them)."""
+  from gem_jax import runtime
+  from gem_jax.run import tasks
+  traces, original = [], tasks.AdsMultiTask.sums
+
+  def sums(self, model, batch, rng):
+    if not runtime.current().count_only:
+      traces.append(1)
+    return original(self, model, batch, rng)
+
+  monkeypatch.setattr(tasks.AdsMultiTask, "sums", sums)
+  return traces
+
+
 @pytest.mark.slow
-def test_tiny_run_writes_outputs_and_resume_is_exact(tmp_path):
+def test_tiny_run_writes_outputs_and_resume_is_exact(tmp_path, monkeypatch):
   full, part = str(tmp_path / "full"), str(tmp_path / "part")
   summary = train(_tiny(), full, progress=False)
   check_run_report(full, num_devices=1)
@@ -39,11 +55,15 @@ def test_tiny_run_writes_outputs_and_resume_is_exact(tmp_path):
     assert json.load(f)["steps"] == STEPS
   assert os.listdir(os.path.join(full, "checkpoints"))
 
-  # Interrupted after step 8 (a checkpoint step), then resumed: the same losses, bit for bit.
+  # Interrupted after step 8 (a checkpoint step), then resumed: the same losses, bit for bit. Each of the
+  # two runs traces its train step once: the state build() places, and the restored one, have the shardings
+  # the step returns (else jit traces and compiles the step again at the second step).
+  traces = _count_step_traces(monkeypatch)
   train(_tiny(), part, progress=False, stop_after=8)
-  assert max(_losses(part)) == 8
+  assert max(_losses(part)) == 8 and len(traces) == 1
   assert not os.path.exists(os.path.join(part, "report.json"))   # a stopped run writes no report
   resumed = train(_tiny(), part, resume=True, progress=False, report=False)
+  assert len(traces) == 2
   expected, got = _losses(full), _losses(part)
   assert sorted(got) == list(range(1, STEPS + 1))
   for step in range(1, STEPS + 1):

@@ -177,7 +177,11 @@ def place_state(state, placed: Placement):
 
   def put(x, s):
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim):
-      return x  # placed already (a restored state; in a multi-process run not every part is this host's)
+      # Placed already (a restored state; in a multi-process run not every part is this host's). An array
+      # laid out alike under another sharding (one device's SingleDeviceSharding) takes `s` itself, without a
+      # copy: jit keys its cache on the argument's sharding, so the step's first call would otherwise trace
+      # and compile a second program for the state the step returns.
+      return x if x.sharding == s or not x.is_fully_addressable else jax.device_put(x, s)
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # a typed key: place its data, wrap it again
       return jax.random.wrap_key_data(put(jax.random.key_data(x), s), impl=jax.random.key_impl(x))
     if isinstance(x, jax.Array) and x.is_fully_addressable and s.is_fully_addressable:
