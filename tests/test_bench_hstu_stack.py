@@ -1,0 +1,43 @@
+"""experiments/bench_hstu_stack.py: its lengths, its model FLOP count, and one child run of a small stack."""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench():
+  spec = importlib.util.spec_from_file_location("bench_hstu_stack", os.path.join(ROOT, "experiments",
+                                                                                  "bench_hstu_stack.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_lengths_are_heavy_tailed_clipped_and_fixed_by_the_seed(bench):
+  m = bench.STACKS["M"]
+  a, b = bench.lengths(m, 0), bench.lengths(m, 0)
+  assert np.array_equal(a, b) and not np.array_equal(a, bench.lengths(m, 1))
+  assert a.shape == (m["batch"],) and a.min() >= 1 and a.max() <= m["max_len"]
+  assert np.median(a) < a.mean()  # a long right tail
+
+
+def test_model_flops_count_real_tokens_and_causal_pairs(bench):
+  stack = {"model_dim": 8, "heads": 2, "head_dim": 4, "value_dim": 3, "layers": 2}
+  # Rows of 1 and 3 tokens: 4 tokens, 1 + 6 causal pairs.
+  proj = 2 * 4 * 8 * (2 * 2 * 3 + 2 * 2 * 4) + 2 * 4 * 2 * 3 * 8
+  attn = 2 * 7 * 2 * (4 + 3)
+  assert bench.model_flops(stack, [1, 3]) == 3 * 2 * (proj + attn)
+
+
+def test_a_small_stack_trains_and_reports_its_rates(bench, monkeypatch):
+  monkeypatch.setitem(bench.STACKS, "T", {"model_dim": 16, "heads": 2, "head_dim": 8, "value_dim": 8, "layers": 1,
+                                          "batch": 4, "max_len": 24, "mean_len": 8})
+  for impl in ("xla", "reference"):
+    r = bench.child("T", impl, reps=2, seed=0)
+    assert r["impl"] == impl and r["tokens"] == int(bench.lengths(bench.STACKS["T"], 0).sum())
+    assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and 0 < r["pct_of_gemm_peak"] and np.isfinite(r["loss"])
