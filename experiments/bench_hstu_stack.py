@@ -1,172 +1,41 @@
-"""HSTU layer stacks, one training step each (forward, backward, AdamW; float32) over heavy-tailed jagged rows:
-how fast the sequence arch computes on this machine, apart from the rest of GEM.
+"""HSTU layer stacks, one training step each (forward, backward, AdamW; float32) over heavy-tailed jagged rows
+(gem_jax/bench/hstu_stack.py says what is measured and how).
 
   python experiments/bench_hstu_stack.py                          # stacks S and M, impl xla and reference
   python experiments/bench_hstu_stack.py --stacks S --impls xla --reps 20
   git worktree add /tmp/prev HEAD~1
   python experiments/bench_hstu_stack.py --baseline /tmp/prev     # the same stacks in another checkout, side by side
 
-Stacks (row lengths lognormal with sigma 1 around the mean, from a fixed seed, clipped to [1, N]):
-  S: D=64,  H=2, Dh=Dv=32, 2 layers, B=64, N=200, mean length 50
-  M: D=256, H=4, Dh=Dv=64, 4 layers, B=32, N=512, mean length 100
-Each layer is gem_jax.model.hstu.HSTULayer with no contextual tokens and no targets, so the causal mask is the
-whole mask; the loss is the mean squared output over real tokens. `impl` is the attention kernel
-(gem_jax.ops.hstu_attention): `xla` the tiled jagged loop, `reference` the dense padded B x N x N form.
-
-Per (stack, impl, tree): the median step time over --reps timed steps (after a compile step), tokens/s (real
-tokens per second), model FLOP/s and its share of a float32 GEMM peak measured in the same process. Model
-FLOPs count real tokens and the causal pairs of each row (n(n+1)/2), forward and backward (3x the forward);
-padding and masked pairs are not model FLOPs. With --baseline each (stack, impl) runs --rounds times per tree
-in fresh processes, alternating which tree goes first, and the table gives each tree's median and the ratio.
-Written to --out: every run and the medians (JSON).
+Written to --out: every run and the medians (JSON); printed: a table with each tree's median step time,
+tokens/s and share of the GEMM, and with --baseline the tokens/s ratio.
 """
-
-from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-STACKS = {
-    "S": {"model_dim": 64, "heads": 2, "head_dim": 32, "value_dim": 32, "layers": 2, "batch": 64, "max_len": 200,
-          "mean_len": 50},
-    "M": {"model_dim": 256, "heads": 4, "head_dim": 64, "value_dim": 64, "layers": 4, "batch": 32, "max_len": 512,
-          "mean_len": 100},
-}
-IMPLS = ("xla", "reference")
 
-
-def lengths(stack: dict, seed: int):
-  """Row lengths of a stack's batch: lognormal (sigma 1) with the stack's mean, clipped to [1, N]."""
-  import numpy as np
-  sigma = 1.0
-  mu = np.log(stack["mean_len"]) - sigma ** 2 / 2
-  n = np.random.default_rng(seed).lognormal(mu, sigma, stack["batch"])
-  return np.clip(np.round(n), 1, stack["max_len"]).astype(np.int64)
-
-
-def model_flops(stack: dict, lengths_B) -> float:
-  """Forward + backward FLOPs of the stack on rows of `lengths_B` (module docstring)."""
-  n = [int(x) for x in lengths_B]
-  tokens, pairs = sum(n), sum(x * (x + 1) // 2 for x in n)
-  d, h, dh, dv = stack["model_dim"], stack["heads"], stack["head_dim"], stack["value_dim"]
-  per_layer = 2 * tokens * d * (2 * h * dv + 2 * h * dh) + 2 * tokens * h * dv * d + 2 * pairs * h * (dh + dv)
-  return 3.0 * stack["layers"] * per_layer
-
-
-def child(stack_name: str, impl: str, reps: int, seed: int) -> dict:
-  """One (stack, impl) in this process with the gem_jax first on sys.path: build, compile, time."""
-  import dataclasses
-
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  import optax
-  from flax import nnx
-
-  import gem_jax
-  from gem_jax.bench import timing
-  from gem_jax.jagged import Jagged
-  from gem_jax.model.config import HSTUConfig, ModelConfig
-  from gem_jax.model.hstu import HSTULayer
-
-  stack = STACKS[stack_name]
-  hstu = dataclasses.replace(HSTUConfig(), num_heads=stack["heads"], head_dim=stack["head_dim"],
-                             value_dim=stack["value_dim"], keep_last=(stack["max_len"],) * stack["layers"],
-                             num_contextual=0, attn_impl=impl)
-  cfg = dataclasses.replace(ModelConfig(), model_dim=stack["model_dim"], num_layers=stack["layers"], hstu=hstu)
-
-  class Stack(nnx.Module):
-    def __init__(self, rngs):
-      self.layers = nnx.List([HSTULayer(cfg, stack["max_len"], site=f"layers.{i}", rngs=rngs)
-                              for i in range(stack["layers"])])
-
-    def __call__(self, x):
-      for layer in self.layers:
-        x = layer(x)
-      return x
-
-  lens = lengths(stack, seed)
-  tokens = int(lens.sum())
-  capacity = -(-tokens // 128) * 128
-  offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-  values = np.asarray(jax.random.normal(jax.random.key(seed), (capacity, stack["model_dim"]), jnp.float32))
-  x = Jagged(jnp.asarray(values), jnp.asarray(offsets))
-  valid_T = jnp.arange(capacity) < tokens
-
-  model = Stack(nnx.Rngs(seed))
-  graphdef, params = nnx.split(model, nnx.Param)
-  opt = optax.adamw(1e-3)
-  opt_state = opt.init(params)
-
-  def loss_fn(p, x):
-    y = nnx.merge(graphdef, p)(x).values
-    return jnp.sum(jnp.where(valid_T[:, None], y * y, 0.0)) / tokens
-
-  @jax.jit
-  def step(p, s, x):
-    loss, g = jax.value_and_grad(loss_fn)(p, x)
-    updates, s = opt.update(g, s, p)
-    return optax.apply_updates(p, updates), s, loss
-
-  t0 = time.perf_counter()
-  compiled = step.lower(params, opt_state, x).compile()
-  compile_s = time.perf_counter() - t0
-  p, s, loss = compiled(params, opt_state, x)
-  jax.block_until_ready(loss)
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    p, s, loss = compiled(p, s, x)
-    jax.block_until_ready(loss)
-    times.append(time.perf_counter() - t)
-  step_s = statistics.median(times)
-  flops = model_flops(stack, lens)
-  peak = timing.measured_gemm_peak(jnp.float32, 1024)
-  return {"stack": stack_name, "impl": impl, "gem_jax": os.path.dirname(os.path.dirname(gem_jax.__file__)),
-          "tokens": tokens, "capacity": capacity, "padded_tokens": stack["batch"] * stack["max_len"],
-          "compile_s": compile_s, "step_s": step_s, "step_s_all": times, "tokens_per_s": tokens / step_s,
-          "model_flops": flops, "model_flops_per_s": flops / step_s, "gemm_peak_flops_per_s": peak,
-          "pct_of_gemm_peak": 100.0 * flops / step_s / peak, "loss": float(loss), "backend": jax.default_backend()}
-
-
-def run_child(tree: str, stack: str, impl: str, reps: int, seed: int) -> dict:
-  """child() in a fresh process with `tree`'s gem_jax first on the path."""
-  env = dict(os.environ, GEM_JAX_TREE=os.path.abspath(tree), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", stack, impl, "--reps", str(reps),
-                         "--seed", str(seed)], env=env, capture_output=True, text=True)
-  if proc.returncode:
-    raise SystemExit(f"{tree}: stack {stack} impl {impl} failed:\n{proc.stderr[-3000:]}")
-  return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def table(result: dict) -> str:
-  trees = list(result["trees"])
-  head = f"{'stack':5} {'impl':9} " + " ".join(f"{t + ' step ms':>16} {t + ' tok/s':>14} {'%GEMM':>6}" for t in trees)
-  if len(trees) > 1:
-    head += f" {'tok/s ' + trees[0] + '/' + trees[1]:>18}"
-  lines = [head]
-  for key, per_tree in result["medians"].items():
-    stack, impl = key.split("/")
-    row = f"{stack:5} {impl:9} " + " ".join(
-        f"{1e3 * per_tree[t]['step_s']:16.1f} {per_tree[t]['tokens_per_s']:14,.0f} {per_tree[t]['pct_of_gemm_peak']:6.1f}"
-        for t in trees)
-    if len(trees) > 1:
-      row += f" {per_tree[trees[0]]['tokens_per_s'] / per_tree[trees[1]]['tokens_per_s']:18.2f}x"
-    lines.append(row)
-  return "\n".join(lines)
+def _bench_module():
+  """This tree's gem_jax/bench/hstu_stack.py, loaded from its file with the measured tree's gem_jax first on the
+  path (GEM_JAX_TREE, set for a child process; this tree by default): the bench is this tree's, the model the
+  measured tree's, so an older checkout without the bench can be measured too."""
+  import importlib.util
+  sys.path.insert(0, os.environ.get("GEM_JAX_TREE", ROOT))
+  spec = importlib.util.spec_from_file_location("gem_jax_bench_hstu_stack",
+                                                os.path.join(ROOT, "gem_jax", "bench", "hstu_stack.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def main(argv=None) -> int:
+  hstu_stack = _bench_module()
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
-  p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+  p.add_argument("--stacks", nargs="+", default=list(hstu_stack.STACKS), choices=list(hstu_stack.STACKS))
+  p.add_argument("--impls", nargs="+", default=list(hstu_stack.IMPLS), choices=list(hstu_stack.IMPLS))
   p.add_argument("--reps", type=int, default=10, help="timed steps per process (after one compile step)")
   p.add_argument("--rounds", type=int, default=3, help="fresh processes per (stack, impl, tree)")
   p.add_argument("--seed", type=int, default=0)
@@ -175,28 +44,15 @@ def main(argv=None) -> int:
   p.add_argument("--child", nargs=2, metavar=("STACK", "IMPL"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
-    sys.path.insert(0, os.environ.get("GEM_JAX_TREE", ROOT))
-    print(json.dumps(child(*args.child, args.reps, args.seed)))
+    print(json.dumps(hstu_stack.child(*args.child, args.reps, args.seed)))
     return 0
   trees = {"this": ROOT, **({"baseline": args.baseline} if args.baseline else {})}
-  runs: dict[str, list[dict]] = {}
-  for stack in args.stacks:
-    for impl in args.impls:
-      for r in range(args.rounds):
-        for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-          rec = {"tree": name, "round": r, **run_child(trees[name], stack, impl, args.reps, args.seed)}
-          runs.setdefault(f"{stack}/{impl}", []).append(rec)
-          print(f"{stack}/{impl} {name} round {r}: {1e3 * rec['step_s']:.1f} ms, {rec['tokens_per_s']:,.0f} tokens/s, "
-                f"{rec['pct_of_gemm_peak']:.1f}% of a {rec['gemm_peak_flops_per_s'] / 1e9:.0f} GFLOP/s GEMM", flush=True)
-  medians = {key: {name: {k: statistics.median(r[k] for r in rs if r["tree"] == name)
-                          for k in ("step_s", "tokens_per_s", "model_flops_per_s", "pct_of_gemm_peak", "compile_s")}
-                   for name in trees} for key, rs in runs.items()}
-  result = {"trees": trees, "stacks": {s: STACKS[s] for s in args.stacks}, "reps": args.reps, "rounds": args.rounds,
-            "seed": args.seed, "runs": runs, "medians": medians}
+  result = hstu_stack.compare(trees, args.stacks, args.impls, reps=args.reps, rounds=args.rounds, seed=args.seed,
+                              log=lambda line: print(line, flush=True))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
-  print(table(result))
+  print(hstu_stack.table(result))
   return 0
 
 

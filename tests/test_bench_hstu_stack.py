@@ -1,21 +1,15 @@
-"""experiments/bench_hstu_stack.py: its lengths, its model FLOP count, and one child run of a small stack."""
-
-import importlib.util
-import os
+"""The HSTU stack benchmark (gem_jax/bench/hstu_stack.py): its lengths, its model FLOP count, and one run of a
+small stack with each attention impl."""
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from gem_jax.bench import hstu_stack
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def bench():
-  spec = importlib.util.spec_from_file_location("bench_hstu_stack", os.path.join(ROOT, "experiments",
-                                                                                  "bench_hstu_stack.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return hstu_stack
 
 
 def test_lengths_are_heavy_tailed_clipped_and_fixed_by_the_seed(bench):
