@@ -3,6 +3,7 @@
 
   python experiments/bench_hstu_stack.py                          # stacks S and M, impl xla and reference
   python experiments/bench_hstu_stack.py --stacks S --impls xla --reps 20
+  python experiments/bench_hstu_stack.py --no-rel-bias              # the layers without the relative bias
   git worktree add /tmp/prev HEAD~1
   python experiments/bench_hstu_stack.py --baseline /tmp/prev     # the same stacks in another checkout, side by side
 
@@ -39,16 +40,18 @@ def main(argv=None) -> int:
   p.add_argument("--reps", type=int, default=10, help="timed steps per process (after one compile step)")
   p.add_argument("--rounds", type=int, default=3, help="fresh processes per (stack, impl, tree)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--no-rel-bias", action="store_true", help="layers without the relative position bias "
+                 "(model.hstu.rel_pos_buckets=0): what the bias costs")
   p.add_argument("--baseline", default=None, help="another checkout's root (e.g. a git worktree of HEAD~1)")
   p.add_argument("--out", default="runs/bench_hstu_stack.json")
   p.add_argument("--child", nargs=2, metavar=("STACK", "IMPL"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
-    print(json.dumps(hstu_stack.child(*args.child, args.reps, args.seed)))
+    print(json.dumps(hstu_stack.child(*args.child, args.reps, args.seed, not args.no_rel_bias)))
     return 0
   trees = {"this": ROOT, **({"baseline": args.baseline} if args.baseline else {})}
   result = hstu_stack.compare(trees, args.stacks, args.impls, reps=args.reps, rounds=args.rounds, seed=args.seed,
-                              log=lambda line: print(line, flush=True))
+                              rel_bias=not args.no_rel_bias, log=lambda line: print(line, flush=True))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)

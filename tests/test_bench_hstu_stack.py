@@ -35,3 +35,4 @@ def test_a_small_stack_trains_and_reports_its_rates(bench, monkeypatch):
     r = bench.child("T", impl, reps=2, seed=0)
     assert r["impl"] == impl and r["tokens"] == int(bench.lengths(bench.STACKS["T"], 0).sum())
     assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and 0 < r["pct_of_gemm_peak"] and np.isfinite(r["loss"])
+  assert bench.child("T", "xla", reps=1, seed=0, rel_bias=False)["rel_bias"] is False

@@ -297,3 +297,22 @@ def test_bf16_compute_and_params(model, f32_step):
   assert logits.dtype == jnp.float32 and _finite(logits) and _finite(grads) and np.isfinite(float(loss))
   assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
   assert np.abs(np.asarray(grads["layers"][0]["hstu"]["uvqk"]["kernel"][...], np.float32)).sum() > 0
+
+
+def test_no_relative_bias_has_no_parameter_and_equals_a_zero_bias():
+  """rel_pos_buckets=0: the layer holds no bias and the attention adds none, which is exactly a layer whose
+  bias is zero (its init); with a bias that is not zero the two differ."""
+  def layer(buckets):
+    cfg = dataclasses.replace(CFG, hstu=dataclasses.replace(CFG.hstu, rel_pos_buckets=buckets))
+    return HSTULayer(cfg, 12, site="l", rngs=nnx.Rngs(0))
+
+  with_bias, without = layer(8), layer(0)
+  assert without.rel_bias_HxR is None and "rel_bias_HxR" not in nnx.state(without, nnx.Param)
+  x = dense_to_jagged(jax.random.normal(jax.random.key(1), (3, 12, 16)), capacity=40)
+  x = Jagged(x.values, jnp.array([0, 5, 5, 17], jnp.int32))
+  a, b = with_bias(x).values[:17], without(x).values[:17]
+  assert np.array_equal(np.asarray(a), np.asarray(b))
+  with_bias.rel_bias_HxR[...] = jnp.full((2, 8), 0.5)
+  assert not np.allclose(np.asarray(with_bias(x).values[:17]), np.asarray(b))
+  with pytest.raises(ValueError, match="rel_pos_buckets must be an integer >= 0"):
+    HSTUConfig(rel_pos_buckets=-1)

@@ -55,8 +55,10 @@ def model_flops(stack: dict, lengths_B) -> float:
   return 3.0 * stack["layers"] * per_layer
 
 
-def child(stack_name: str, impl: str, reps: int, seed: int) -> dict:
-  """One (stack, impl) in this process with the gem_jax first on sys.path: build, compile, time."""
+def child(stack_name: str, impl: str, reps: int, seed: int, rel_bias: bool = True) -> dict:
+  """One (stack, impl) in this process with the gem_jax first on sys.path: build, compile, time. rel_bias=False:
+  layers without the relative position bias (model.hstu.rel_pos_buckets=0; a tree older than that setting
+  refuses it)."""
   import dataclasses
 
   import jax
@@ -74,7 +76,8 @@ def child(stack_name: str, impl: str, reps: int, seed: int) -> dict:
   stack = STACKS[stack_name]
   hstu = dataclasses.replace(HSTUConfig(), num_heads=stack["heads"], head_dim=stack["head_dim"],
                              value_dim=stack["value_dim"], keep_last=(stack["max_len"],) * stack["layers"],
-                             num_contextual=0, attn_impl=impl)
+                             num_contextual=0, attn_impl=impl,
+                             **({} if rel_bias else {"rel_pos_buckets": 0}))
   cfg = dataclasses.replace(ModelConfig(), model_dim=stack["model_dim"], num_layers=stack["layers"], hstu=hstu)
 
   class Stack(nnx.Module):
@@ -124,38 +127,39 @@ def child(stack_name: str, impl: str, reps: int, seed: int) -> dict:
   step_s = statistics.median(times)
   flops = model_flops(stack, lens)
   peak = timing.measured_gemm_peak(jnp.float32, 1024)
-  return {"stack": stack_name, "impl": impl, "gem_jax": os.path.dirname(os.path.dirname(gem_jax.__file__)),
+  return {"stack": stack_name, "impl": impl, "rel_bias": rel_bias, "gem_jax": os.path.dirname(os.path.dirname(gem_jax.__file__)),
           "tokens": tokens, "capacity": capacity, "padded_tokens": stack["batch"] * stack["max_len"],
           "compile_s": compile_s, "step_s": step_s, "step_s_all": times, "tokens_per_s": tokens / step_s,
           "model_flops": flops, "model_flops_per_s": flops / step_s, "gemm_peak_flops_per_s": peak,
           "pct_of_gemm_peak": 100.0 * flops / step_s / peak, "loss": float(loss), "backend": jax.default_backend()}
 
 
-def run_child(tree: str, stack: str, impl: str, reps: int, seed: int) -> dict:
+def run_child(tree: str, stack: str, impl: str, reps: int, seed: int, rel_bias: bool = True) -> dict:
   """child() in a fresh process with `tree`'s gem_jax first on the path."""
   env = dict(os.environ, GEM_JAX_TREE=os.path.abspath(tree), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
   proc = subprocess.run([sys.executable, SCRIPT, "--child", stack, impl, "--reps", str(reps),
-                         "--seed", str(seed)], env=env, capture_output=True, text=True)
+                         "--seed", str(seed), *([] if rel_bias else ["--no-rel-bias"])], env=env, capture_output=True, text=True)
   if proc.returncode:
     raise SystemExit(f"{tree}: stack {stack} impl {impl} failed:\n{proc.stderr[-3000:]}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def compare(trees: dict[str, str], stacks, impls, *, reps: int, rounds: int, seed: int, log=print) -> dict:
+def compare(trees: dict[str, str], stacks, impls, *, reps: int, rounds: int, seed: int, rel_bias: bool = True,
+            log=print) -> dict:
   """Every (stack, impl) in every tree, `rounds` fresh processes each, alternating the trees' order."""
   runs: dict[str, list[dict]] = {}
   for stack in stacks:
     for impl in impls:
       for r in range(rounds):
         for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-          rec = {"tree": name, "round": r, **run_child(trees[name], stack, impl, reps, seed)}
+          rec = {"tree": name, "round": r, **run_child(trees[name], stack, impl, reps, seed, rel_bias)}
           runs.setdefault(f"{stack}/{impl}", []).append(rec)
           log(f"{stack}/{impl} {name} round {r}: {1e3 * rec['step_s']:.1f} ms, {rec['tokens_per_s']:,.0f} tokens/s, "
               f"{rec['pct_of_gemm_peak']:.1f}% of a {rec['gemm_peak_flops_per_s'] / 1e9:.0f} GFLOP/s GEMM")
   medians = {key: {name: {k: statistics.median(r[k] for r in rs if r["tree"] == name)
                           for k in ("step_s", "tokens_per_s", "model_flops_per_s", "pct_of_gemm_peak", "compile_s")}
                    for name in trees} for key, rs in runs.items()}
-  return {"trees": trees, "stacks": {s: STACKS[s] for s in stacks}, "reps": reps, "rounds": rounds, "seed": seed,
+  return {"trees": trees, "stacks": {s: STACKS[s] for s in stacks}, "reps": reps, "rounds": rounds, "seed": seed, "rel_bias": rel_bias,
           "runs": runs, "medians": medians}
 
 

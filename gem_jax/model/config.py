@@ -42,13 +42,13 @@ class HSTUConfig:
   value_dim: int = 32         # v/u width per head
   keep_last: tuple[int, ...] = (128, 64)
   num_contextual: int = 2     # C contextual tokens built from the non-sequence summary every layer
-  rel_pos_buckets: int = 32   # log-spaced relative-position buckets of the attention bias
+  rel_pos_buckets: int = 32   # log-spaced relative-position buckets of the attention bias; 0: no bias
   attn_impl: str = "auto"     # gem_jax.ops.hstu_attention impl
   dropout_rate: float = 0.0   # on the gated attention output before the output projection (training only)
 
   def __post_init__(self):
     _check_ints("model.hstu.", self, {"num_heads": 1, "head_dim": 1, "value_dim": 1, "num_contextual": 0,
-                                      "rel_pos_buckets": 1})
+                                      "rel_pos_buckets": 0})
     if not isinstance(self.keep_last, tuple) or any(
         isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1 for k in self.keep_last):
       raise ValueError(f"model.hstu.keep_last must be a tuple of integers >= 1, got {self.keep_last!r}")

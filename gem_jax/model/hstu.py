@@ -55,10 +55,11 @@ class HSTULayer(nnx.Module):
     # Normalizes across heads; under tensor parallelism its statistics are summed over the head slices.
     self.norm_attn = LayerNorm(hdv, cfg, rngs=rngs, tensor_parallel=True)
     self.out = Dense(hdv, d, ("mlp", "embed"), cfg, site=f"{site}.out", rngs=rngs)
-    # Zero init: the layer starts position-agnostic and learns how much recency matters.
+    # Zero init: the layer starts position-agnostic and learns how much recency matters. With no buckets
+    # (rel_pos_buckets=0) the layer has no bias at all, and the attention adds none.
     self.rel_bias_HxR = nnx.Param(
         sharded(nnx.initializers.zeros_init(), ("heads", None))(
-            rngs.params(), (h.num_heads, h.rel_pos_buckets), cfg.params_dtype))
+            rngs.params(), (h.num_heads, h.rel_pos_buckets), cfg.params_dtype)) if h.rel_pos_buckets else None
 
   def __call__(self, x: Jagged, num_targets_B=None, *, dropout_rng=None) -> Jagged:
     """x: Jagged(T x D) rows laid out as in the module docstring -> Jagged(T x D), same offsets.
@@ -72,8 +73,11 @@ class HSTULayer(nnx.Module):
     attn_TxHxDv = ops.hstu_attention(
         q_TxHxDh, k_TxHxDh, v_TxHxDv, x.offsets, max_seq_len=self.max_seq_len, alpha=self.head_dim ** -0.5,
         causal=True, num_targets=num_targets_B, contextual_seq_len=self.num_contextual,
-        rel_bias_HxR=self.rel_bias_HxR[...], impl=self.attn_impl)
+        rel_bias_HxR=self._rel_bias(), impl=self.attn_impl)
     return x.replace_values(values_TxD + self._output(attn_TxHxDv, u_TxHxDv, dropout_rng))
+
+  def _rel_bias(self):
+    return None if self.rel_bias_HxR is None else self.rel_bias_HxR[...]
 
   def _project(self, values_TxD):
     """-> (u, v, q, k), T x H x (Dv | Dh), H the heads this device holds."""
@@ -107,7 +111,7 @@ class HSTULayer(nnx.Module):
     attn_SxHxDv = ops.hstu_attention_query_block(
         q_SxHxDh, cp.all_gather(k_SxHxDh), cp.all_gather(v_SxHxDv), x.offsets, start,
         max_seq_len=self.max_seq_len, alpha=self.head_dim ** -0.5, causal=True, num_targets=num_targets_B,
-        contextual_seq_len=self.num_contextual, rel_bias_HxR=self.rel_bias_HxR[...])
+        contextual_seq_len=self.num_contextual, rel_bias_HxR=self._rel_bias())
     if dropout_rng is not None:  # each slice draws its own mask
       dropout_rng = jax.random.fold_in(dropout_rng, cp.index())
     out_TxD = cp.all_gather(self._output(attn_SxHxDv, u_SxHxDv, dropout_rng))[:cap]
