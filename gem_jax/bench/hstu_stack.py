@@ -127,8 +127,9 @@ def child(stack_name: str, impl: str, reps: int, seed: int, rel_bias: bool = Tru
   step_s = statistics.median(times)
   flops = model_flops(stack, lens)
   peak = timing.measured_gemm_peak(jnp.float32, 1024)
-  return {"stack": stack_name, "impl": impl, "rel_bias": rel_bias, "gem_jax": os.path.dirname(os.path.dirname(gem_jax.__file__)),
-          "tokens": tokens, "capacity": capacity, "padded_tokens": stack["batch"] * stack["max_len"],
+  return {"stack": stack_name, "impl": impl, "rel_bias": rel_bias,
+          "gem_jax": os.path.dirname(os.path.dirname(gem_jax.__file__)), "tokens": tokens,
+          "capacity": capacity, "padded_tokens": stack["batch"] * stack["max_len"],
           "compile_s": compile_s, "step_s": step_s, "step_s_all": times, "tokens_per_s": tokens / step_s,
           "model_flops": flops, "model_flops_per_s": flops / step_s, "gemm_peak_flops_per_s": peak,
           "pct_of_gemm_peak": 100.0 * flops / step_s / peak, "loss": float(loss), "backend": jax.default_backend()}
@@ -137,10 +138,11 @@ def child(stack_name: str, impl: str, reps: int, seed: int, rel_bias: bool = Tru
 def run_child(tree: str, stack: str, impl: str, reps: int, seed: int, rel_bias: bool = True) -> dict:
   """child() in a fresh process with `tree`'s gem_jax first on the path."""
   env = dict(os.environ, GEM_JAX_TREE=os.path.abspath(tree), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-  proc = subprocess.run([sys.executable, SCRIPT, "--child", stack, impl, "--reps", str(reps),
-                         "--seed", str(seed), *([] if rel_bias else ["--no-rel-bias"])], env=env, capture_output=True, text=True)
+  cmd = [sys.executable, SCRIPT, "--child", stack, impl, "--reps", str(reps), "--seed", str(seed),
+         *([] if rel_bias else ["--no-rel-bias"])]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
   if proc.returncode:
-    raise SystemExit(f"{tree}: stack {stack} impl {impl} failed:\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"{tree}: stack {stack} impl {impl} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -159,8 +161,8 @@ def compare(trees: dict[str, str], stacks, impls, *, reps: int, rounds: int, see
   medians = {key: {name: {k: statistics.median(r[k] for r in rs if r["tree"] == name)
                           for k in ("step_s", "tokens_per_s", "model_flops_per_s", "pct_of_gemm_peak", "compile_s")}
                    for name in trees} for key, rs in runs.items()}
-  return {"trees": trees, "stacks": {s: STACKS[s] for s in stacks}, "reps": reps, "rounds": rounds, "seed": seed, "rel_bias": rel_bias,
-          "runs": runs, "medians": medians}
+  return {"trees": trees, "stacks": {s: STACKS[s] for s in stacks}, "reps": reps, "rounds": rounds, "seed": seed,
+          "rel_bias": rel_bias, "runs": runs, "medians": medians}
 
 
 def table(result: dict) -> str:
@@ -172,8 +174,8 @@ def table(result: dict) -> str:
   for key, per_tree in result["medians"].items():
     stack, impl = key.split("/")
     row = f"{stack:5} {impl:9} " + " ".join(
-        f"{1e3 * per_tree[t]['step_s']:16.1f} {per_tree[t]['tokens_per_s']:14,.0f} {per_tree[t]['pct_of_gemm_peak']:6.1f}"
-        for t in trees)
+        f"{1e3 * per_tree[t]['step_s']:16.1f} {per_tree[t]['tokens_per_s']:14,.0f} "
+        f"{per_tree[t]['pct_of_gemm_peak']:6.1f}" for t in trees)
     if len(trees) > 1:
       row += f" {per_tree[trees[0]]['tokens_per_s'] / per_tree[trees[1]]['tokens_per_s']:18.2f}x"
     lines.append(row)
