@@ -14,6 +14,7 @@ Model code calls these functions only; it never imports a kernel module directly
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -112,19 +113,27 @@ def _counted(kind: str, impl: str, q_TxHxD, v_TxHxDv, max_seq_len: int, contextu
 
 def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int, alpha: float,
                    causal: bool = True, num_targets=None, max_attn_len: int = 0,
-                   contextual_seq_len: int = 0, rel_bias_HxR=None, impl: str = "auto"):
+                   contextual_seq_len: int = 0, rel_bias_HxR=None, impl: str = "auto",
+                   tiles: hstu_tiled.TileConfig | None = None):
   """HSTU pointwise (SiLU, no softmax) attention over jagged q/k/v; see
   pallas_kernels/hstu_attention/reference.py for the exact mask and normalization.
 
   rel_bias_HxR: optional learned bias per head and relative-position bucket (R buckets), added to the
   logit alpha * q.k before the SiLU, as HSTU's relative attention bias does.
+  tiles: the tile edge and tiles per loop step of the `xla` impl (default hstu_tiled.DEFAULT_TILES); the
+  other impls refuse it.
   """
   fn = _resolve(impl, _HSTU_IMPLS, "hstu_attention")
+  extra = {}
+  if tiles is not None:
+    if fn is not hstu_tiled.hstu_attention:
+      raise ValueError(f"hstu_attention: tiles={tiles} is a setting of the 'xla' impl, not of {_auto(impl)!r}")
+    extra = dataclasses.asdict(tiles)
   if _counted("hstu", impl, q_TxHxD, v_TxHxDv, max_seq_len, contextual_seq_len):
     return jax.numpy.zeros_like(v_TxHxDv)
   return fn(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, max_seq_len=max_seq_len, alpha=alpha,
             causal=causal, num_targets=num_targets, max_attn_len=max_attn_len,
-            contextual_seq_len=contextual_seq_len, rel_bias_HxR=rel_bias_HxR)
+            contextual_seq_len=contextual_seq_len, rel_bias_HxR=rel_bias_HxR, **extra)
 
 
 def hstu_attention_query_block(q_QxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, q_start, *, max_seq_len: int,

@@ -99,5 +99,5 @@ def test_tiled_attention_tiles_match_the_kernels_own_count():
   for c in (0, 3, 20):
     n = rng.integers(0, 120, size=17) + c + 1
     offsets = np.concatenate([[0], np.cumsum(n)])
-    want = tiled.executed_pairs(offsets, c + 100, 16, num_targets=np.ones(17, np.int32), contextual_seq_len=c)
-    assert flops.tiled_attention_tiles(n, max_seq_len=c + 100, num_contextual=c) * 256 == want
+    want = tiled.executed_pairs(offsets, c + 100, num_targets=np.ones(17, np.int32), contextual_seq_len=c)
+    assert flops.tiled_attention_tiles(n, max_seq_len=c + 100, num_contextual=c) * flops.TILED_BLOCK ** 2 == want

@@ -29,10 +29,11 @@ import jax
 import numpy as np
 
 from gem_jax import runtime
+from pallas_kernels.hstu_attention import tiled as hstu_tiled
 
 ATTN_POINTWISE_FLOPS = {"hstu": 8, "softmax": 0}
 TRAIN_FLOPS_FACTOR = 3.0
-TILED_BLOCK = 16  # pallas_kernels/hstu_attention/tiled.py's default tile edge, which the model uses
+TILED_BLOCK = hstu_tiled.DEFAULT_TILES.block  # the tile edge of the tiled HSTU loop, which the model uses
 _CHECK_RTOL = 1e-9
 
 

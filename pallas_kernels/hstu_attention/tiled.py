@@ -1,16 +1,21 @@
 """HSTU jagged attention in plain jnp/lax for CPU and TPU: a tile list walked by a dynamic loop.
 
-Same contract as reference.hstu_attention (the spec), plus `block`. Instead of padding every row to N,
-the needed (row, query block, key block) tiles of block x block row-local tokens are enumerated on
-device into a static-capacity int32 table; a lax.fori_loop with the dynamic tile count then gathers
-each tile's q/k/v with dynamic_slice on the packed token axis and accumulates into a T x H x Dv output.
-Executed work is n_tiles * block^2 pairs, which follows the real lengths (executed_pairs reports it).
-The backward is a custom_vjp with its own tile loop (reverse mode cannot go through a dynamic-trip-count
+Same contract as reference.hstu_attention (the spec), plus `block` and `group`. Instead of padding every
+row to N, the needed (row, query block, key block) tiles of block x block row-local tokens are enumerated
+on device into a static-capacity int32 table; a lax.fori_loop with a dynamic trip count then takes
+`group` tiles per step: one gather of their q/k/v blocks, batched dots over (tile, head), and one
+scatter-add of their outputs into the accumulator. Tiles of many rows and query blocks thus share each
+step's fixed costs (the loop, the gathers, the mask), where one tile per step spent most of its time on
+them. Inside the loops q/k/v live head-major (H x Tp x D), so a gathered block is (G, H, block, D) and the
+dots need no transposes. Executed work is n_tiles * block^2 pairs, which follows the real lengths
+(executed_pairs reports it); a last partial group runs padding tiles whose rows are empty (all masked).
+The backward is a custom_vjp with its own loop (reverse mode cannot go through a dynamic-trip-count
 loop), giving dq, dk, dv and d rel_bias.
 
 Letters: T token capacity, Tp = T + block (padded so a tile starting inside a row is always in
 bounds), B rows, H heads, D q/k width, Dv value width, N max_seq_len, R bias buckets, C tile capacity
-(a static upper bound on the tile count), Q = K = block, NB = ceil(N / block).
+(a static upper bound on the tile count, a multiple of the group), Q = K = block, NB = ceil(N / block),
+G = group (tiles per loop step).
 This module must never build a T x T or B x N x N array, and imports only jax/numpy and the reference.
 """
 
@@ -30,6 +35,26 @@ from pallas_kernels.hstu_attention.reference import relative_position_bucket
 
 
 @dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """The loop's shape: `block` tokens per tile edge (queries and keys), `group` tiles per loop step."""
+  block: int = 32
+  group: int = 16
+
+  def __post_init__(self):
+    if self.block < 1 or self.group < 1:
+      raise ValueError(f"TileConfig: block ({self.block}) and group ({self.group}) must be >= 1")
+
+
+# The default on CPU. Against one 16-token tile per loop step, `experiments/bench_hstu_stack.py --baseline`
+# (2 rounds, 2026-12-04, this project's 2-core machine) gave whole training steps 1.16x the tokens/s on stack S
+# and 1.15x on M; timing the attention alone, 32-token tiles with 8-32 tiles per step were within 10% of each
+# other, and 64-token tiles were slower on rows of about 32 tokens.
+DEFAULT_TILES = TileConfig()
+# The configs a caller may reasonably pick from (tests/test_hstu_tiled.py holds every one to the reference).
+CANDIDATES = tuple(TileConfig(b, g) for b in (16, 32, 64) for g in (1, 8, 16, 32))
+
+
+@dataclasses.dataclass(frozen=True)
 class Static:
   """Trace-time facts of one call (hashable: custom_vjp takes it as a non-differentiable argument)."""
   max_seq_len: int
@@ -40,6 +65,7 @@ class Static:
   contextual_seq_len: int
   block: int
   has_bias: bool
+  group: int = 1
 
 
 def _cdiv(a, b: int):
@@ -132,7 +158,7 @@ def _targets(num_targets, num_rows: int):
   return num_targets
 
 
-def executed_pairs(offsets_Bp1, max_seq_len: int, block: int = 16, *, causal: bool = True,
+def executed_pairs(offsets_Bp1, max_seq_len: int, block: int = DEFAULT_TILES.block, *, causal: bool = True,
                    num_targets=None, max_attn_len: int = 0, contextual_seq_len: int = 0) -> int:
   """n_tiles * block^2: the (query, key) pairs the tiled kernel computes for these offsets (host int)."""
   offsets_Bp1 = jnp.asarray(offsets_Bp1, jnp.int32)
@@ -171,8 +197,9 @@ class Ctx:
   def __init__(self, offsets_Bp1, targets_B, bias_HxR, capacity: int, s: Static):
     self.s = s
     self.start_B, self.n_in_B, self.max_pos_B = _rows(offsets_Bp1, targets_B, s)
-    cap = tile_capacity(capacity, offsets_Bp1.shape[0] - 1, s)
+    cap = _cdiv(tile_capacity(capacity, offsets_Bp1.shape[0] - 1, s), s.group) * s.group
     self.tiles_Cx3, self.n_tiles = _tiles(offsets_Bp1, targets_B, cap, s)
+    self.n_groups = _cdiv(self.n_tiles, s.group)
     if s.has_bias:
       # |d| < N inside a row; the bucket per distance is a small N table gathered per tile.
       self.bucket_N = relative_position_bucket(jnp.arange(s.max_seq_len), bias_HxR.shape[1])
@@ -196,25 +223,80 @@ class Ctx:
     return start + q0, start + k0, q_QxHxD, k_KxHxD, v_KxHxDv, mask_QxK, dist_QxK, logits_HxQxK
 
 
+  def step_tiles(self, g, q_HxTpxD, k_HxTpxD, v_HxTpxDv):
+    """Tiles [g G, g G + G) at once: (q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv,
+    mask_Gx1xQxK, bucket index or None, logits_GxHxQxK). Rows past a row's end read as zero; padding tiles
+    past n_tiles see an empty row, so everything they compute is masked."""
+    s, size = self.s, self.s.block
+    t_G = g * s.group + jnp.arange(s.group, dtype=jnp.int32)
+    tiles_Gx3 = lax.dynamic_slice_in_dim(self.tiles_Cx3, g * s.group, s.group, axis=0)
+    b_G, q0_G, k0_G = tiles_Gx3[:, 0], tiles_Gx3[:, 1], tiles_Gx3[:, 2]
+    start_G, max_pos_G = self.start_B[b_G], self.max_pos_B[b_G]
+    n_in_G = jnp.where(t_G < self.n_tiles, self.n_in_B[b_G], 0)
+    i_GxQx1 = q0_G[:, None, None] + jnp.arange(size, dtype=jnp.int32)[None, :, None]
+    j_Gx1xK = k0_G[:, None, None] + jnp.arange(size, dtype=jnp.int32)[None, None, :]
+    q_valid_GxQ, k_valid_GxK = i_GxQx1[:, :, 0] < n_in_G[:, None], j_Gx1xK[:, 0, :] < n_in_G[:, None]
+    q_at_G, k_at_G = start_G + q0_G, start_G + k0_G
+    q_GxHxQxD = gather_blocks(q_HxTpxD, q_at_G, q_valid_GxQ, size)
+    k_GxHxKxD = gather_blocks(k_HxTpxD, k_at_G, k_valid_GxK, size)
+    v_GxHxKxDv = gather_blocks(v_HxTpxDv, k_at_G, k_valid_GxK, size)
+    n_in, max_pos = n_in_G[:, None, None], max_pos_G[:, None, None]
+    mask_GxQxK, d_GxQxK = masks.tile_mask(i_GxQx1, j_Gx1xK, n_in, max_pos, causal=s.causal,
+                                          max_attn_len=s.max_attn_len, contextual_seq_len=s.contextual_seq_len,
+                                          has_targets=s.has_targets)
+    logits_GxHxQxK = s.alpha * dot("ghqd,ghkd->ghqk", q_GxHxQxD, k_GxHxKxD)
+    dist_GxQxK = None
+    if s.has_bias:
+      dist_GxQxK = jnp.minimum(jnp.abs(d_GxQxK), s.max_seq_len - 1)
+      logits_GxHxQxK = logits_GxHxQxK + jnp.moveaxis(self.bias_HxN[:, dist_GxQxK], 0, 1)
+    return (q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv, mask_GxQxK[:, None], dist_GxQxK,
+            logits_GxHxQxK)
+
+
 def pad(x_TxHxW, block: int):
   return jnp.pad(x_TxHxW, ((0, block), (0, 0), (0, 0)))
+
+
+def head_major(x_TxHxW, block: int):
+  """x padded by `block` token rows and laid out H x Tp x W, the loops' layout."""
+  return jnp.moveaxis(pad(x_TxHxW, block), 1, 0)
+
+
+def token_major(x_HxTpxW, capacity: int, dtype):
+  return jnp.moveaxis(x_HxTpxW[:, :capacity], 0, 1).astype(dtype)
+
+
+def gather_blocks(x_HxTpxW, start_G, valid_GxQ, size: int):
+  """x[:, start : start + size] for each start, as G x H x size x W, rows where valid is False zeroed."""
+  dims = lax.GatherDimensionNumbers(offset_dims=(1, 2, 3), collapsed_slice_dims=(), start_index_map=(1,))
+  x = lax.gather(x_HxTpxW, start_G[:, None], dims, (x_HxTpxW.shape[0], size, x_HxTpxW.shape[2]),
+                 mode=lax.GatherScatterMode.CLIP)
+  return jnp.where(valid_GxQ[:, None, :, None], x, jnp.zeros((), x.dtype))
+
+
+def scatter_add_blocks(acc_HxTpxW, start_G, value_GxHxQxW):
+  """acc[:, start : start + Q] += value for each start (starts may repeat; the adds accumulate)."""
+  dims = lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3), inserted_window_dims=(),
+                                     scatter_dims_to_operand_dims=(1,))
+  return lax.scatter_add(acc_HxTpxW, start_G[:, None], value_GxHxQxW, dims, mode=lax.GatherScatterMode.CLIP)
 
 
 def _forward(s: Static, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR):
   capacity = q_TxHxD.shape[0]
   ctx = Ctx(offsets_Bp1, targets_B, bias_HxR, capacity, s)
-  q_p, k_p, v_p = (pad(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv))
+  q_p, k_p, v_p = (head_major(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv))
 
-  def body(t, acc_TpxHxDv):
-    q_at, _, _, _, v_KxHxDv, mask_QxK, _, logits_HxQxK = ctx.tile(t, q_p, k_p, v_p)
+  def body(g, acc_HxTpxDv):
+    q_at_G, _, _, _, _, v_GxHxKxDv, mask, _, logits_GxHxQxK = ctx.step_tiles(g, q_p, k_p, v_p)
     # `where`, not a multiply, so that masked-out logits can never turn into NaN.
-    w_HxQxK = jnp.where(mask_QxK[None], jax.nn.silu(logits_HxQxK), 0.0) / s.max_seq_len
-    return add_rows(acc_TpxHxDv, q_at, dot("hqk,khd->qhd", w_HxQxK, v_KxHxDv.astype(jnp.float32)))
+    w_GxHxQxK = jnp.where(mask, jax.nn.silu(logits_GxHxQxK), 0.0) / s.max_seq_len
+    out_GxHxQxDv = dot("ghqk,ghkd->ghqd", w_GxHxQxK, v_GxHxKxDv.astype(jnp.float32))
+    return scatter_add_blocks(acc_HxTpxDv, q_at_G, out_GxHxQxDv)
 
-  acc = jnp.zeros((capacity + s.block,) + v_TxHxDv.shape[1:], jnp.float32)
+  acc = jnp.zeros((v_TxHxDv.shape[1], capacity + s.block, v_TxHxDv.shape[2]), jnp.float32)
   acc = vma.like(acc, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
-  acc = lax.fori_loop(0, ctx.n_tiles, body, acc)
-  return acc[:capacity].astype(v_TxHxDv.dtype)
+  acc = lax.fori_loop(0, ctx.n_groups, body, acc)
+  return token_major(acc, capacity, v_TxHxDv.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -231,39 +313,39 @@ def _attention_bwd(s, residuals, dout_TxHxDv):
   q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR = residuals
   capacity = q_TxHxD.shape[0]
   ctx = Ctx(offsets_Bp1, targets_B, bias_HxR, capacity, s)
-  q_p, k_p, v_p, do_p = (pad(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv, dout_TxHxDv))
+  q_p, k_p, v_p, do_p = (head_major(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv, dout_TxHxDv))
   num_buckets = bias_HxR.shape[1]
 
-  def body(t, carry):
-    dq_TpxHxD, dk_TpxHxD, dv_TpxHxDv, dbias_HxR = carry
-    q_at, k_at, q_QxHxD, k_KxHxD, v_KxHxDv, mask_QxK, dist_QxK, logits_HxQxK = ctx.tile(t, q_p, k_p, v_p)
-    # Same row clip as q: rows past the row's end (or tail padding) read as zero.
-    rows_left = ctx.n_in_B[ctx.tiles_Cx3[t, 0]] - ctx.tiles_Cx3[t, 1]
-    do_QxHxDv = load(do_p, q_at, 0, rows_left, s.block).astype(jnp.float32)
-    sig_HxQxK = jax.nn.sigmoid(logits_HxQxK)
-    w_HxQxK = jnp.where(mask_QxK[None], jax.nn.silu(logits_HxQxK), 0.0) / s.max_seq_len
-    dw_HxQxK = dot("qhd,khd->hqk", do_QxHxDv, v_KxHxDv.astype(jnp.float32))
-    dsilu_HxQxK = sig_HxQxK * (1.0 + logits_HxQxK * (1.0 - sig_HxQxK))
-    dl_HxQxK = jnp.where(mask_QxK[None], dw_HxQxK * dsilu_HxQxK, 0.0) / s.max_seq_len
-    dq_QxHxD = s.alpha * dot("hqk,khd->qhd", dl_HxQxK, k_KxHxD.astype(jnp.float32))
-    dk_KxHxD = s.alpha * dot("hqk,qhd->khd", dl_HxQxK, q_QxHxD.astype(jnp.float32))
-    dq_TpxHxD = add_rows(dq_TpxHxD, q_at, dq_QxHxD)
-    dk_TpxHxD = add_rows(dk_TpxHxD, k_at, dk_KxHxD)
-    dv_TpxHxDv = add_rows(dv_TpxHxDv, k_at, dot("hqk,qhd->khd", w_HxQxK, do_QxHxDv))
+  def body(g, carry):
+    dq_HxTpxD, dk_HxTpxD, dv_HxTpxDv, dbias_HxR = carry
+    q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv, mask, dist_GxQxK, logits_GxHxQxK = ctx.step_tiles(
+        g, q_p, k_p, v_p)
+    do_GxHxQxDv = gather_blocks(do_p, q_at_G, q_valid_GxQ, s.block).astype(jnp.float32)
+    sig_GxHxQxK = jax.nn.sigmoid(logits_GxHxQxK)
+    w_GxHxQxK = jnp.where(mask, logits_GxHxQxK * sig_GxHxQxK, 0.0) / s.max_seq_len
+    dw_GxHxQxK = dot("ghqd,ghkd->ghqk", do_GxHxQxDv, v_GxHxKxDv.astype(jnp.float32))
+    dsilu_GxHxQxK = sig_GxHxQxK * (1.0 + logits_GxHxQxK * (1.0 - sig_GxHxQxK))
+    dl_GxHxQxK = jnp.where(mask, dw_GxHxQxK * dsilu_GxHxQxK, 0.0) / s.max_seq_len
+    dq_HxTpxD = scatter_add_blocks(dq_HxTpxD, q_at_G,
+                                   s.alpha * dot("ghqk,ghkd->ghqd", dl_GxHxQxK, k_GxHxKxD.astype(jnp.float32)))
+    dk_HxTpxD = scatter_add_blocks(dk_HxTpxD, k_at_G,
+                                   s.alpha * dot("ghqk,ghqd->ghkd", dl_GxHxQxK, q_GxHxQxD.astype(jnp.float32)))
+    dv_HxTpxDv = scatter_add_blocks(dv_HxTpxDv, k_at_G, dot("ghqk,ghqd->ghkd", w_GxHxQxK, do_GxHxQxDv))
     if s.has_bias:
       # Masked pairs carry dl = 0, so their (clipped) bucket receives nothing.
-      dbias_HxR = dbias_HxR.at[:, ctx.bucket_N[dist_QxK]].add(dl_HxQxK)
-    return dq_TpxHxD, dk_TpxHxD, dv_TpxHxDv, dbias_HxR
+      dbias_HxR = dbias_HxR.at[:, ctx.bucket_N[dist_GxQxK]].add(jnp.moveaxis(dl_GxHxQxK, 1, 0))
+    return dq_HxTpxD, dk_HxTpxD, dv_HxTpxDv, dbias_HxR
 
   padded = capacity + s.block
-  init = (jnp.zeros((padded,) + q_TxHxD.shape[1:], jnp.float32),
-          jnp.zeros((padded,) + k_TxHxD.shape[1:], jnp.float32),
-          jnp.zeros((padded,) + v_TxHxDv.shape[1:], jnp.float32),
-          jnp.zeros((q_TxHxD.shape[1], num_buckets), jnp.float32))
+  num_heads = q_TxHxD.shape[1]
+  init = (jnp.zeros((num_heads, padded, q_TxHxD.shape[2]), jnp.float32),
+          jnp.zeros((num_heads, padded, k_TxHxD.shape[2]), jnp.float32),
+          jnp.zeros((num_heads, padded, v_TxHxDv.shape[2]), jnp.float32),
+          jnp.zeros((num_heads, num_buckets), jnp.float32))
   init = vma.like(init, q_TxHxD, k_TxHxD, v_TxHxDv, dout_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
-  dq, dk, dv, dbias_HxR = lax.fori_loop(0, ctx.n_tiles, body, init)
-  return (dq[:capacity].astype(q_TxHxD.dtype), dk[:capacity].astype(k_TxHxD.dtype),
-          dv[:capacity].astype(v_TxHxDv.dtype), None, None, dbias_HxR.astype(bias_HxR.dtype))
+  dq, dk, dv, dbias_HxR = lax.fori_loop(0, ctx.n_groups, body, init)
+  return (token_major(dq, capacity, q_TxHxD.dtype), token_major(dk, capacity, k_TxHxD.dtype),
+          token_major(dv, capacity, v_TxHxDv.dtype), None, None, dbias_HxR.astype(bias_HxR.dtype))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -271,17 +353,20 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int, alpha: float,
                    causal: bool = True, num_targets=None, max_attn_len: int = 0,
-                   contextual_seq_len: int = 0, rel_bias_HxR=None, block: int = 16):
+                   contextual_seq_len: int = 0, rel_bias_HxR=None, block: int = DEFAULT_TILES.block,
+                   group: int = DEFAULT_TILES.group):
   """HSTU attention over jagged rows (reference.hstu_attention's contract); out_TxHxDv in v's dtype.
 
-  block: tile edge in tokens (queries and keys); executed work is n_tiles * block^2 pairs.
+  block: tile edge in tokens (queries and keys); executed work is n_tiles * block^2 pairs (plus the
+  padding tiles of a last partial group, which are all masked). group: tiles per loop step.
   Rows longer than N are outside the contract (as in the reference); here their tokens past N get 0.
   """
   capacity, num_heads, _ = q_TxHxD.shape
   if k_TxHxD.shape != q_TxHxD.shape or v_TxHxDv.shape[:2] != (capacity, num_heads):
     raise ValueError(f"hstu_attention: q {q_TxHxD.shape}, k {k_TxHxD.shape}, v {v_TxHxDv.shape} disagree")
-  if block < 1 or max_seq_len < 1:
-    raise ValueError(f"hstu_attention: block ({block}) and max_seq_len ({max_seq_len}) must be >= 1")
+  if block < 1 or group < 1 or max_seq_len < 1:
+    raise ValueError(f"hstu_attention: block ({block}), group ({group}) and max_seq_len ({max_seq_len}) must be "
+                     ">= 1")
   num_rows = offsets_Bp1.shape[0] - 1
   if rel_bias_HxR is not None and (rel_bias_HxR.ndim != 2 or rel_bias_HxR.shape[0] != num_heads):
     raise ValueError(f"hstu_attention: rel_bias has shape {rel_bias_HxR.shape}, expected ({num_heads}, R)")
@@ -289,11 +374,11 @@ def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int,
   if capacity == 0 or num_rows == 0:  # no tokens or no rows: nothing to attend
     return jnp.zeros_like(v_TxHxDv)
   s = Static(max_seq_len, float(alpha), causal, num_targets is not None, max_attn_len,
-              contextual_seq_len, block, rel_bias_HxR is not None)
+              contextual_seq_len, block, rel_bias_HxR is not None, group)
   # Without a bias the loops never read it; a 1-bucket stand-in keeps one custom_vjp signature.
   bias_HxR = rel_bias_HxR if rel_bias_HxR is not None else jnp.zeros((num_heads, 1), jnp.float32)
   out = _attention(s, q_TxHxD, k_TxHxD, v_TxHxDv, jnp.asarray(offsets_Bp1, jnp.int32), targets_B, bias_HxR)
   return out
 
 
-__all__ = ["executed_pairs", "hstu_attention", "tile_capacity"]
+__all__ = ["CANDIDATES", "DEFAULT_TILES", "TileConfig", "executed_pairs", "hstu_attention", "tile_capacity"]

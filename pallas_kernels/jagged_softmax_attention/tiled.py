@@ -29,8 +29,13 @@ from pallas_kernels.hstu_attention import tiled as hstu_tiled
 from pallas_kernels.hstu_attention.tiled import Ctx, Static, add_rows, dot, load, pad
 from pallas_kernels.jagged_softmax_attention.reference import check_offsets, check_shapes
 
-# Same tile list as HSTU attention, so the same pair count.
-executed_pairs = hstu_tiled.executed_pairs
+BLOCK = 16   # this loop's default tile edge (one tile per step: the online softmax is kept per query block)
+
+
+def executed_pairs(offsets_Bp1, max_seq_len: int, block: int = BLOCK, **mask):
+  """n_tiles * block^2 of this loop (hstu_attention/tiled.py enumerates the same tiles)."""
+  return hstu_tiled.executed_pairs(offsets_Bp1, max_seq_len, block, **mask)
+
 
 _NAME = "jagged_softmax_attention"
 
@@ -143,7 +148,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def jagged_softmax_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int, scale: float,
                              causal: bool = True, num_targets=None, max_attn_len: int = 0,
-                             contextual_seq_len: int = 0, block: int = 16):
+                             contextual_seq_len: int = 0, block: int = BLOCK):
   """Softmax attention over jagged rows (reference.jagged_softmax_attention's contract), tiled.
 
   block: tile edge in tokens (queries and keys); executed work is n_tiles * block^2 pairs.
