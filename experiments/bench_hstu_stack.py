@@ -1,7 +1,7 @@
 """HSTU layer stacks, one training step each (forward, backward, AdamW; float32) over heavy-tailed jagged rows
 (gem_jax/bench/hstu_stack.py says what is measured and how).
 
-  python experiments/bench_hstu_stack.py                          # stacks S and M, impl xla and reference
+  python experiments/bench_hstu_stack.py                          # stacks S and M, impls xla, dense, reference
   python experiments/bench_hstu_stack.py --stacks S --impls xla --reps 20
   python experiments/bench_hstu_stack.py --no-rel-bias              # the layers without the relative bias
   git worktree add /tmp/prev HEAD~1

@@ -2,6 +2,7 @@
 
   "xla"     pure jnp/lax, runs on every backend (the CPU default)
   "reference" the pure-jnp spec (pads to B x N x N)
+  "dense"   the spec's padded work, one row per loop step with its own backward (HSTU only)
   "pallas"  Pallas kernel (Triton-lowered on GPU; interpret mode elsewhere)
   "triton"  jax-triton forward kernel (GPU only; its backward is the reference's)
   "auto"    pallas on GPU, xla elsewhere
@@ -21,6 +22,7 @@ import jax
 
 from gem_jax import runtime
 from pallas_kernels.hstu_attention import api as hstu_pallas
+from pallas_kernels.hstu_attention import dense as hstu_dense
 from pallas_kernels.hstu_attention import query_block as hstu_query_block
 from pallas_kernels.hstu_attention import reference as hstu_reference
 from pallas_kernels.hstu_attention import tiled as hstu_tiled
@@ -39,9 +41,10 @@ def _softmax_pallas(*args, **kwargs):
 
 # "xla" is the tiled path: a dynamic loop over the (row, q block, k block) tiles the mask needs, so its work
 # follows the real lengths (1.2-1.4x the jagged causal pairs on heavy-tailed batches); "reference" is the
-# dense spec, which pads every row to max_seq_len.
+# dense spec, which pads every row to max_seq_len and leaves its backward to autodiff; "dense" is the same
+# padded work one row per loop step with its own backward (the fast like-for-like dense baseline).
 _HSTU_IMPLS: dict[str, Callable] = {"xla": hstu_tiled.hstu_attention, "reference": hstu_reference.hstu_attention,
-                                    "pallas": _hstu_pallas}
+                                    "dense": hstu_dense.hstu_attention, "pallas": _hstu_pallas}
 
 
 # Softmax attention: "xla" is the tiled loop (work follows the real lengths, as for HSTU), "blocked" a

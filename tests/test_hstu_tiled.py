@@ -13,64 +13,25 @@ import pytest
 
 from pallas_kernels.hstu_attention import reference
 from pallas_kernels.hstu_attention import tiled
+from tests.kernel_helpers import HSTU_CASES, HSTU_TAIL, hstu_inputs, hstu_value_and_grads
 from tests.kernel_helpers import max_rel_err as _max_rel_err
 
-TAIL = 3  # token slots past offsets[B]
 BLOCK = 8
-
-# name: (lengths, N, D, Dv, R or 0, attention kwargs)
-CASES = {
-    "plain": ([0, 1, 19, 8], 24, 16, 8, 0, {}),
-    "targets_window_bias": ([11, 0, 24], 24, 8, 16, 12, {"num_targets": [3, 0, 2], "max_attn_len": 5}),
-    "contextual_targets_bias": ([17, 1, 6], 20, 8, 8, 8, {"num_targets": [2, 0, 1], "contextual_seq_len": 3}),
-    "contextual_window": ([0, 25, 9, 1], 32, 16, 16, 0, {"contextual_seq_len": 10, "max_attn_len": 4}),
-    "noncausal_bias": ([5, 0, 12], 16, 8, 8, 6, {"causal": False}),
-    "head_dims_32_128": ([9, 1, 13], 16, 32, 128, 8, {"num_targets": [1, 1, 2]}),
-}
-
-
-def _inputs(case, dtype, seed=0):
-  lengths, n, d, dv, r, kwargs = CASES[case]
-  rng = np.random.default_rng(seed)
-  offsets_Bp1 = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-  capacity = int(offsets_Bp1[-1]) + TAIL
-  heads = 2
-  q, k = (jnp.asarray(rng.normal(size=(capacity, heads, d)), dtype) for _ in range(2))
-  v = jnp.asarray(rng.normal(size=(capacity, heads, dv)), dtype)
-  bias = jnp.asarray(rng.normal(size=(heads, r)), jnp.float32) if r else None
-  cot = jnp.asarray(rng.normal(size=(capacity, heads, dv)), jnp.float32)
-  kwargs = dict(kwargs, max_seq_len=n, alpha=0.7)
-  if "num_targets" in kwargs:
-    kwargs["num_targets"] = jnp.asarray(kwargs["num_targets"], jnp.int32)
-  return (q, k, v, bias), offsets_Bp1, cot, kwargs
-
-
-def _value_and_grads(fn, args, offsets_Bp1, cot, kwargs):
-  """(out, grads of sum(out * cot) w.r.t. q, k, v and, when present, rel_bias), jitted."""
-  argnums = (0, 1, 2, 3) if args[3] is not None else (0, 1, 2)
-
-  def loss(q, k, v, bias, offsets_Bp1):
-    out = fn(q, k, v, offsets_Bp1, rel_bias_HxR=bias, **kwargs)
-    return jnp.sum(out.astype(jnp.float32) * cot), out
-
-  # offsets go in as a traced argument: the tile list must be built on device.
-  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*args, offsets_Bp1)
-  return out, grads
 
 
 def tiled_fn(*args, **kwargs):
   return tiled.hstu_attention(*args, block=BLOCK, **kwargs)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(HSTU_CASES))
 def test_f32_forward_and_grads_match_reference(case):
-  args, offsets_Bp1, cot, kwargs = _inputs(case, jnp.float32)
-  want_out, want_grads = _value_and_grads(reference.hstu_attention, args, offsets_Bp1, cot, kwargs)
-  got_out, got_grads = _value_and_grads(tiled_fn, args, offsets_Bp1, cot, kwargs)
+  args, offsets_Bp1, cot, kwargs = hstu_inputs(case, jnp.float32)
+  want_out, want_grads = hstu_value_and_grads(reference.hstu_attention, args, offsets_Bp1, cot, kwargs)
+  got_out, got_grads = hstu_value_and_grads(tiled_fn, args, offsets_Bp1, cot, kwargs)
   assert float(jnp.max(jnp.abs(want_out))) > 0
   assert got_out.shape == want_out.shape and got_out.dtype == want_out.dtype
   assert _max_rel_err(got_out, want_out) <= 1e-5
-  np.testing.assert_array_equal(np.asarray(got_out[-TAIL:]), 0.0)
+  np.testing.assert_array_equal(np.asarray(got_out[-HSTU_TAIL:]), 0.0)
   for name, got, want in zip("qkvb", got_grads, want_grads):
     assert got.shape == want.shape and got.dtype == want.dtype, name
     assert float(jnp.max(jnp.abs(want))) > 0, name
@@ -82,10 +43,10 @@ def test_every_candidate_tile_config_matches_the_reference(tiles):
   """Each (tile edge, tiles per step) a caller can pick: forward and every gradient at the f32 tolerance, on
   rows of 1-17 tokens with contextual tokens, targets and a bias (so the tile count is rarely a multiple of
   the group and the last step runs padding tiles)."""
-  args, offsets_Bp1, cot, kwargs = _inputs("contextual_targets_bias", jnp.float32)
-  want_out, want_grads = _value_and_grads(reference.hstu_attention, args, offsets_Bp1, cot, kwargs)
+  args, offsets_Bp1, cot, kwargs = hstu_inputs("contextual_targets_bias", jnp.float32)
+  want_out, want_grads = hstu_value_and_grads(reference.hstu_attention, args, offsets_Bp1, cot, kwargs)
   fn = functools.partial(tiled.hstu_attention, block=tiles.block, group=tiles.group)
-  got_out, got_grads = _value_and_grads(fn, args, offsets_Bp1, cot, kwargs)
+  got_out, got_grads = hstu_value_and_grads(fn, args, offsets_Bp1, cot, kwargs)
   assert _max_rel_err(got_out, want_out) <= 1e-5
   for name, got, want in zip("qkvb", got_grads, want_grads):
     assert _max_rel_err(got, want) <= 1e-5, name
@@ -93,11 +54,11 @@ def test_every_candidate_tile_config_matches_the_reference(tiles):
 
 @pytest.mark.parametrize("case", ["targets_window_bias", "contextual_targets_bias"])
 def test_bf16_forward_and_grads_match_f32_reference(case):
-  args, offsets_Bp1, cot, kwargs = _inputs(case, jnp.bfloat16)
+  args, offsets_Bp1, cot, kwargs = hstu_inputs(case, jnp.bfloat16)
   # The f32 reference on the same (bf16-rounded) inputs is the target the bf16 path approximates.
   args_f32 = tuple(None if x is None else x.astype(jnp.float32) for x in args)
-  want_out, want_grads = _value_and_grads(reference.hstu_attention, args_f32, offsets_Bp1, cot, kwargs)
-  got_out, got_grads = _value_and_grads(tiled_fn, args, offsets_Bp1, cot, kwargs)
+  want_out, want_grads = hstu_value_and_grads(reference.hstu_attention, args_f32, offsets_Bp1, cot, kwargs)
+  got_out, got_grads = hstu_value_and_grads(tiled_fn, args, offsets_Bp1, cot, kwargs)
   assert got_out.dtype == jnp.bfloat16
   assert _max_rel_err(got_out, want_out) <= 2e-2
   for name, got, want in zip("qkvb", got_grads, want_grads):
@@ -106,7 +67,7 @@ def test_bf16_forward_and_grads_match_f32_reference(case):
 
 
 def test_other_rows_and_tail_never_change_outputs():
-  (q, k, v, bias), offsets_Bp1, _, kwargs = _inputs("targets_window_bias", jnp.float32, seed=1)
+  (q, k, v, bias), offsets_Bp1, _, kwargs = hstu_inputs("targets_window_bias", jnp.float32, seed=1)
   attend = jax.jit(lambda q, k, v: tiled_fn(q, k, v, offsets_Bp1, rel_bias_HxR=bias, **kwargs))
   base = np.asarray(attend(q, k, v))
   # Row 0 is tokens [0, 11): huge (even inf) values everywhere else must leave it bit for bit alone.
@@ -133,9 +94,9 @@ def _coverage(offsets_Bp1, n, kwargs):
   return covered[:, :n, :n], int(n_tiles), cap, int(unclamped)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(HSTU_CASES))
 def test_tile_list_covers_mask_and_fits_capacity(case):
-  _, offsets_Bp1, _, kwargs = _inputs(case, jnp.float32)
+  _, offsets_Bp1, _, kwargs = hstu_inputs(case, jnp.float32)
   n = kwargs["max_seq_len"]
   covered, n_tiles, cap, unclamped = _coverage(offsets_Bp1, n, kwargs)
   mask, _ = reference.attention_mask(
@@ -175,7 +136,7 @@ def test_heavy_tailed_batch_executes_at_most_1p5x_jagged_pairs():
 
 
 def test_empty_batch_and_bad_arguments():
-  (q, k, v, _), offsets_Bp1, _, _ = _inputs("plain", jnp.float32)
+  (q, k, v, _), offsets_Bp1, _, _ = hstu_inputs("plain", jnp.float32)
   out = tiled.hstu_attention(q, k, v, jnp.zeros((1,), jnp.int32), max_seq_len=24, alpha=1.0)
   np.testing.assert_array_equal(np.asarray(out), 0.0)
   with pytest.raises(ValueError, match="rel_bias"):
