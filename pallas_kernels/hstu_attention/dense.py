@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.hstu_attention import masks
+from pallas_kernels.hstu_attention import masks, pointwise
 from pallas_kernels.hstu_attention.reference import relative_position_bucket, to_jagged
 
 
@@ -81,8 +81,7 @@ def _forward(s: Static, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias
   def row(xs):
     q_HxNxD, k_HxNxD, v_HxNxDv, n_in, max_pos = xs
     mask_NxN, _, logits_HxNxN = _logits(s, q_HxNxD, k_HxNxD, n_in, max_pos, bias_HxR)
-    # `where`, not a multiply, so that masked-out logits can never turn into NaN.
-    w_HxNxN = jnp.where(mask_NxN[None], jax.nn.silu(logits_HxNxN), 0.0) / s.max_seq_len
+    w_HxNxN = pointwise.weights(logits_HxNxN, mask_NxN[None], s.max_seq_len)
     return _dot("hij,hjd->hid", w_HxNxN, v_HxNxDv)
 
   dense = [_dense(x, offsets_Bp1, s.max_seq_len) for x in (q_TxHxD, k_TxHxD, v_TxHxDv)]
@@ -108,11 +107,8 @@ def _attention_bwd(s, residuals, dout_TxHxDv):
   def row(xs):
     q_HxNxD, k_HxNxD, v_HxNxDv, do_HxNxDv, n_in, max_pos = xs
     mask_NxN, bucket_NxN, logits_HxNxN = _logits(s, q_HxNxD, k_HxNxD, n_in, max_pos, bias_HxR)
-    sig_HxNxN = jax.nn.sigmoid(logits_HxNxN)
-    w_HxNxN = jnp.where(mask_NxN[None], logits_HxNxN * sig_HxNxN, 0.0) / s.max_seq_len
     dw_HxNxN = _dot("hid,hjd->hij", do_HxNxDv, v_HxNxDv)
-    dsilu_HxNxN = sig_HxNxN * (1.0 + logits_HxNxN * (1.0 - sig_HxNxN))
-    dl_HxNxN = jnp.where(mask_NxN[None], dw_HxNxN * dsilu_HxNxN, 0.0) / s.max_seq_len
+    w_HxNxN, dl_HxNxN = pointwise.weights_and_dlogits(logits_HxNxN, mask_NxN[None], dw_HxNxN, s.max_seq_len)
     dq_HxNxD = s.alpha * _dot("hij,hjd->hid", dl_HxNxN, k_HxNxD)
     dk_HxNxD = s.alpha * _dot("hij,hid->hjd", dl_HxNxN, q_HxNxD)
     dv_HxNxDv = _dot("hij,hid->hjd", w_HxNxN, do_HxNxDv)

@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import vma
-from pallas_kernels.hstu_attention import masks
+from pallas_kernels.hstu_attention import masks, pointwise
 from pallas_kernels.hstu_attention.reference import relative_position_bucket
 
 
@@ -288,8 +288,7 @@ def _forward(s: Static, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias
 
   def body(g, acc_HxTpxDv):
     q_at_G, _, _, _, _, v_GxHxKxDv, mask, _, logits_GxHxQxK = ctx.step_tiles(g, q_p, k_p, v_p)
-    # `where`, not a multiply, so that masked-out logits can never turn into NaN.
-    w_GxHxQxK = jnp.where(mask, jax.nn.silu(logits_GxHxQxK), 0.0) / s.max_seq_len
+    w_GxHxQxK = pointwise.weights(logits_GxHxQxK, mask, s.max_seq_len)
     out_GxHxQxDv = dot("ghqk,ghkd->ghqd", w_GxHxQxK, v_GxHxKxDv.astype(jnp.float32))
     return scatter_add_blocks(acc_HxTpxDv, q_at_G, out_GxHxQxDv)
 
@@ -321,11 +320,8 @@ def _attention_bwd(s, residuals, dout_TxHxDv):
     q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv, mask, dist_GxQxK, logits_GxHxQxK = ctx.step_tiles(
         g, q_p, k_p, v_p)
     do_GxHxQxDv = gather_blocks(do_p, q_at_G, q_valid_GxQ, s.block).astype(jnp.float32)
-    sig_GxHxQxK = jax.nn.sigmoid(logits_GxHxQxK)
-    w_GxHxQxK = jnp.where(mask, logits_GxHxQxK * sig_GxHxQxK, 0.0) / s.max_seq_len
     dw_GxHxQxK = dot("ghqd,ghkd->ghqk", do_GxHxQxDv, v_GxHxKxDv.astype(jnp.float32))
-    dsilu_GxHxQxK = sig_GxHxQxK * (1.0 + logits_GxHxQxK * (1.0 - sig_GxHxQxK))
-    dl_GxHxQxK = jnp.where(mask, dw_GxHxQxK * dsilu_GxHxQxK, 0.0) / s.max_seq_len
+    w_GxHxQxK, dl_GxHxQxK = pointwise.weights_and_dlogits(logits_GxHxQxK, mask, dw_GxHxQxK, s.max_seq_len)
     dq_HxTpxD = scatter_add_blocks(dq_HxTpxD, q_at_G,
                                    s.alpha * dot("ghqk,ghkd->ghqd", dl_GxHxQxK, k_GxHxKxD.astype(jnp.float32)))
     dk_HxTpxD = scatter_add_blocks(dk_HxTpxD, k_at_G,
