@@ -22,6 +22,7 @@ HSTU_CASES = {
     "contextual_targets_bias": ([17, 1, 6], 20, 8, 8, 8, {"num_targets": [2, 0, 1], "contextual_seq_len": 3}),
     "contextual_window": ([0, 25, 9, 1], 32, 16, 16, 0, {"contextual_seq_len": 10, "max_attn_len": 4}),
     "noncausal_bias": ([5, 0, 12], 16, 8, 8, 6, {"causal": False}),
+    "causal_bias": ([13, 0, 30, 7], 32, 8, 8, 10, {}),
     "head_dims_32_128": ([9, 1, 13], 16, 32, 128, 8, {"num_targets": [1, 1, 2]}),
 }
 

@@ -200,10 +200,23 @@ class Ctx:
     cap = _cdiv(tile_capacity(capacity, offsets_Bp1.shape[0] - 1, s), s.group) * s.group
     self.tiles_Cx3, self.n_tiles = _tiles(offsets_Bp1, targets_B, cap, s)
     self.n_groups = _cdiv(self.n_tiles, s.group)
+    # Without targets or contextual tokens a pair's distance is i - j, so a tile's bias depends only on its
+    # diagonal offset (q0 - k0) / block: step_tiles then reads one precomputed H x Q x K bias tile per offset
+    # (a window gather), and the backward sums the gradient per offset and buckets it once after the loop,
+    # where the general path gathers and scatters per pair.
+    self.by_offset = s.has_bias and not s.has_targets and s.contextual_seq_len == 0
     if s.has_bias:
       # |d| < N inside a row; the bucket per distance is a small N table gathered per tile.
       self.bucket_N = relative_position_bucket(jnp.arange(s.max_seq_len), bias_HxR.shape[1])
       self.bias_HxN = bias_HxR.astype(jnp.float32)[:, self.bucket_N]
+    if self.by_offset:
+      nb = _cdiv(s.max_seq_len, s.block)
+      local = jnp.arange(s.block, dtype=jnp.int32)
+      d_OxQxK = ((jnp.arange(-(nb - 1), nb, dtype=jnp.int32) * s.block)[:, None, None] + local[None, :, None]
+                 - local[None, None, :])
+      self.bucket_OxQxK = self.bucket_N[jnp.minimum(jnp.abs(d_OxQxK), s.max_seq_len - 1)]
+      self.bias_OxHxQxK = jnp.moveaxis(bias_HxR.astype(jnp.float32)[:, self.bucket_OxQxK], 0, 1)
+      self.first_offset = -(nb - 1)
 
   def tile(self, t, q_TpxHxD, k_TpxHxD, v_TpxHxDv):
     """Everything one tile needs: (q_start, k_start, q, k, v, mask, bucket index or None, logits)."""
@@ -225,7 +238,8 @@ class Ctx:
 
   def step_tiles(self, g, q_HxTpxD, k_HxTpxD, v_HxTpxDv):
     """Tiles [g G, g G + G) at once: (q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv,
-    mask_Gx1xQxK, bucket index or None, logits_GxHxQxK). Rows past a row's end read as zero; padding tiles
+    mask_Gx1xQxK, bias_at (the bias tiles' offsets, or each pair's clipped distance; None without a bias),
+    logits_GxHxQxK). Rows past a row's end read as zero; padding tiles
     past n_tiles see an empty row, so everything they compute is masked."""
     s, size = self.s, self.s.block
     t_G = g * s.group + jnp.arange(s.group, dtype=jnp.int32)
@@ -245,12 +259,34 @@ class Ctx:
                                           max_attn_len=s.max_attn_len, contextual_seq_len=s.contextual_seq_len,
                                           has_targets=s.has_targets)
     logits_GxHxQxK = s.alpha * dot("ghqd,ghkd->ghqk", q_GxHxQxD, k_GxHxKxD)
-    dist_GxQxK = None
-    if s.has_bias:
-      dist_GxQxK = jnp.minimum(jnp.abs(d_GxQxK), s.max_seq_len - 1)
-      logits_GxHxQxK = logits_GxHxQxK + jnp.moveaxis(self.bias_HxN[:, dist_GxQxK], 0, 1)
-    return (q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv, mask_GxQxK[:, None], dist_GxQxK,
+    bias_at = None
+    if self.by_offset:
+      # Padding tiles may list offsets past the table; they are masked, so clip them into it.
+      bias_at = jnp.clip((q0_G - k0_G) // size - self.first_offset, 0, self.bias_OxHxQxK.shape[0] - 1)
+      logits_GxHxQxK = logits_GxHxQxK + self.bias_OxHxQxK[bias_at]
+    elif s.has_bias:
+      bias_at = jnp.minimum(jnp.abs(d_GxQxK), s.max_seq_len - 1)
+      logits_GxHxQxK = logits_GxHxQxK + jnp.moveaxis(self.bias_HxN[:, bias_at], 0, 1)
+    return (q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv, mask_GxQxK[:, None], bias_at,
             logits_GxHxQxK)
+
+  def dbias_init(self, num_heads: int, num_buckets: int):
+    """The backward loop's bias-gradient carry: per offset tile (by_offset), else per bucket."""
+    if self.by_offset:
+      return jnp.zeros(self.bias_OxHxQxK.shape, jnp.float32)
+    return jnp.zeros((num_heads, num_buckets), jnp.float32)
+
+  def add_dbias(self, acc, bias_at, dl_GxHxQxK):
+    # Masked pairs carry dl = 0, so their (clipped) bucket or offset receives nothing.
+    if self.by_offset:
+      return acc.at[bias_at].add(dl_GxHxQxK)
+    return acc.at[:, self.bucket_N[bias_at]].add(jnp.moveaxis(dl_GxHxQxK, 1, 0))
+
+  def dbias(self, acc, num_buckets: int):
+    """d rel_bias_HxR from the loop's carry."""
+    if not self.by_offset:
+      return acc
+    return jnp.zeros((acc.shape[1], num_buckets), jnp.float32).at[:, self.bucket_OxQxK].add(jnp.moveaxis(acc, 1, 0))
 
 
 def pad(x_TxHxW, block: int):
@@ -316,8 +352,8 @@ def _attention_bwd(s, residuals, dout_TxHxDv):
   num_buckets = bias_HxR.shape[1]
 
   def body(g, carry):
-    dq_HxTpxD, dk_HxTpxD, dv_HxTpxDv, dbias_HxR = carry
-    q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv, mask, dist_GxQxK, logits_GxHxQxK = ctx.step_tiles(
+    dq_HxTpxD, dk_HxTpxD, dv_HxTpxDv, dbias = carry
+    q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv, mask, bias_at, logits_GxHxQxK = ctx.step_tiles(
         g, q_p, k_p, v_p)
     do_GxHxQxDv = gather_blocks(do_p, q_at_G, q_valid_GxQ, s.block).astype(jnp.float32)
     dw_GxHxQxK = dot("ghqd,ghkd->ghqk", do_GxHxQxDv, v_GxHxKxDv.astype(jnp.float32))
@@ -328,20 +364,19 @@ def _attention_bwd(s, residuals, dout_TxHxDv):
                                    s.alpha * dot("ghqk,ghqd->ghkd", dl_GxHxQxK, q_GxHxQxD.astype(jnp.float32)))
     dv_HxTpxDv = scatter_add_blocks(dv_HxTpxDv, k_at_G, dot("ghqk,ghqd->ghkd", w_GxHxQxK, do_GxHxQxDv))
     if s.has_bias:
-      # Masked pairs carry dl = 0, so their (clipped) bucket receives nothing.
-      dbias_HxR = dbias_HxR.at[:, ctx.bucket_N[dist_GxQxK]].add(jnp.moveaxis(dl_GxHxQxK, 1, 0))
-    return dq_HxTpxD, dk_HxTpxD, dv_HxTpxDv, dbias_HxR
+      dbias = ctx.add_dbias(dbias, bias_at, dl_GxHxQxK)
+    return dq_HxTpxD, dk_HxTpxD, dv_HxTpxDv, dbias
 
   padded = capacity + s.block
   num_heads = q_TxHxD.shape[1]
   init = (jnp.zeros((num_heads, padded, q_TxHxD.shape[2]), jnp.float32),
           jnp.zeros((num_heads, padded, k_TxHxD.shape[2]), jnp.float32),
           jnp.zeros((num_heads, padded, v_TxHxDv.shape[2]), jnp.float32),
-          jnp.zeros((num_heads, num_buckets), jnp.float32))
+          ctx.dbias_init(num_heads, num_buckets))
   init = vma.like(init, q_TxHxD, k_TxHxD, v_TxHxDv, dout_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
-  dq, dk, dv, dbias_HxR = lax.fori_loop(0, ctx.n_groups, body, init)
+  dq, dk, dv, dbias = lax.fori_loop(0, ctx.n_groups, body, init)
   return (token_major(dq, capacity, q_TxHxD.dtype), token_major(dk, capacity, k_TxHxD.dtype),
-          token_major(dv, capacity, v_TxHxDv.dtype), None, None, dbias_HxR.astype(bias_HxR.dtype))
+          token_major(dv, capacity, v_TxHxDv.dtype), None, None, ctx.dbias(dbias, num_buckets).astype(bias_HxR.dtype))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
