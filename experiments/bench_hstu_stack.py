@@ -4,6 +4,7 @@
   python experiments/bench_hstu_stack.py                          # stacks S and M, impls xla, dense, reference
   python experiments/bench_hstu_stack.py --stacks S --impls xla --reps 20
   python experiments/bench_hstu_stack.py --no-rel-bias              # the layers without the relative bias
+  python experiments/bench_hstu_stack.py --tiles --reps 10          # the attention alone at each tile config
   git worktree add /tmp/prev HEAD~1
   python experiments/bench_hstu_stack.py --baseline /tmp/prev     # the same stacks in another checkout, side by side
 
@@ -43,11 +44,21 @@ def main(argv=None) -> int:
   p.add_argument("--no-rel-bias", action="store_true", help="layers without the relative position bias "
                  "(model.hstu.rel_pos_buckets=0): what the bias costs")
   p.add_argument("--baseline", default=None, help="another checkout's root (e.g. a git worktree of HEAD~1)")
+  p.add_argument("--tiles", action="store_true", help="instead: each stack's attention alone at every tile config "
+                 "of the xla impl (pallas_kernels/hstu_attention/tiled.py CANDIDATES), in this process")
   p.add_argument("--out", default="runs/bench_hstu_stack.json")
   p.add_argument("--child", nargs=2, metavar=("STACK", "IMPL"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
     print(json.dumps(hstu_stack.child(*args.child, args.reps, args.seed, not args.no_rel_bias)))
+    return 0
+  if args.tiles:
+    rows = [r for stack in args.stacks
+            for r in hstu_stack.tile_configs(stack, reps=args.reps, seed=args.seed, rel_bias=not args.no_rel_bias)]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+      json.dump(rows, f, indent=1)
+    print(hstu_stack.tiles_table(rows))
     return 0
   trees = {"this": ROOT, **({"baseline": args.baseline} if args.baseline else {})}
   result = hstu_stack.compare(trees, args.stacks, args.impls, reps=args.reps, rounds=args.rounds, seed=args.seed,

@@ -26,6 +26,7 @@ from pallas_kernels.hstu_attention import dense as hstu_dense
 from pallas_kernels.hstu_attention import query_block as hstu_query_block
 from pallas_kernels.hstu_attention import reference as hstu_reference
 from pallas_kernels.hstu_attention import tiled as hstu_tiled
+from pallas_kernels.hstu_attention import tune as hstu_tune
 from pallas_kernels.jagged_softmax_attention import blocked as softmax_blocked
 from pallas_kernels.jagged_softmax_attention import pallas as softmax_pallas
 from pallas_kernels.jagged_softmax_attention import reference as softmax_reference
@@ -117,26 +118,44 @@ def _counted(kind: str, impl: str, q_TxHxD, v_TxHxDv, max_seq_len: int, contextu
 def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int, alpha: float,
                    causal: bool = True, num_targets=None, max_attn_len: int = 0,
                    contextual_seq_len: int = 0, rel_bias_HxR=None, impl: str = "auto",
-                   tiles: hstu_tiled.TileConfig | None = None):
+                   tiles: hstu_tiled.TileConfig | str | None = None):
   """HSTU pointwise (SiLU, no softmax) attention over jagged q/k/v; see
   pallas_kernels/hstu_attention/reference.py for the exact mask and normalization.
 
   rel_bias_HxR: optional learned bias per head and relative-position bucket (R buckets), added to the
   logit alpha * q.k before the SiLU, as HSTU's relative attention bias does.
-  tiles: the tile edge and tiles per loop step of the `xla` impl (default hstu_tiled.DEFAULT_TILES); the
-  other impls refuse it.
+  tiles: the tile edge and tiles per loop step of the `xla` impl: None for hstu_tiled.DEFAULT_TILES, a
+  hstu_tiled.TileConfig, or "auto" for the autotuner's pick for this call's shape bucket on this backend
+  (pallas_kernels/hstu_attention/tune.py; cached in memory and in the file $GEM_JAX_HSTU_TILES). Other impls
+  have no tiles: they refuse a TileConfig and ignore "auto".
   """
   fn = _resolve(impl, _HSTU_IMPLS, "hstu_attention")
-  extra = {}
-  if tiles is not None:
-    if fn is not hstu_tiled.hstu_attention:
-      raise ValueError(f"hstu_attention: tiles={tiles} is a setting of the 'xla' impl, not of {_auto(impl)!r}")
-    extra = dataclasses.asdict(tiles)
+  tiled = fn is hstu_tiled.hstu_attention
+  if tiles is not None and tiles != "auto" and not isinstance(tiles, hstu_tiled.TileConfig):
+    raise ValueError(f"hstu_attention: tiles must be None, 'auto' or a TileConfig, got {tiles!r}")
+  if isinstance(tiles, hstu_tiled.TileConfig) and not tiled:
+    raise ValueError(f"hstu_attention: tiles={tiles} is a setting of the 'xla' impl, not of {_auto(impl)!r}")
   if _counted("hstu", impl, q_TxHxD, v_TxHxDv, max_seq_len, contextual_seq_len):
     return jax.numpy.zeros_like(v_TxHxDv)
+  extra = {}
+  if tiled and tiles == "auto":
+    tiles = hstu_tune.default().pick(hstu_tune.bucket(
+        q_TxHxD, v_TxHxDv, offsets_Bp1, max_seq_len=max_seq_len, causal=causal, has_targets=num_targets is not None,
+        max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len,
+        num_buckets=0 if rel_bias_HxR is None else rel_bias_HxR.shape[1]))
+  if tiled and tiles is not None:
+    extra = dataclasses.asdict(tiles)
   return fn(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, max_seq_len=max_seq_len, alpha=alpha,
             causal=causal, num_targets=num_targets, max_attn_len=max_attn_len,
             contextual_seq_len=contextual_seq_len, rel_bias_HxR=rel_bias_HxR, **extra)
+
+
+TileConfig = hstu_tiled.TileConfig
+
+
+def hstu_tile_picks() -> list[dict]:
+  """The autotuner's picks this process used (tiles="auto"): bucket, TileConfig and the timings behind it."""
+  return hstu_tune.default().report()
 
 
 def hstu_attention_query_block(q_QxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, q_start, *, max_seq_len: int,

@@ -36,3 +36,14 @@ def test_a_small_stack_trains_and_reports_its_rates(bench, monkeypatch):
     assert r["impl"] == impl and r["tokens"] == int(bench.lengths(bench.STACKS["T"], 0).sum())
     assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and 0 < r["pct_of_gemm_peak"] and np.isfinite(r["loss"])
   assert bench.child("T", "xla", reps=1, seed=0, rel_bias=False)["rel_bias"] is False
+
+
+def test_tile_configs_time_each_candidate_and_the_default(bench, monkeypatch):
+  from pallas_kernels.hstu_attention import tiled
+  monkeypatch.setitem(bench.STACKS, "T", {"model_dim": 16, "heads": 2, "head_dim": 8, "value_dim": 8, "layers": 1,
+                                          "batch": 4, "max_len": 24, "mean_len": 8})
+  rows = bench.tile_configs("T", reps=1, seed=0, candidates=[tiled.TileConfig(8, 2)])
+  assert [(r["block"], r["group"], r["default"]) for r in rows] == [
+      (8, 2, False), (tiled.DEFAULT_TILES.block, tiled.DEFAULT_TILES.group, True)]
+  assert all(r["fwd_bwd_s"] > 0 and r["executed_pairs"] > 0 for r in rows) and rows[1]["vs_default"] == 1.0
+  assert "(default)" in bench.tiles_table(rows)

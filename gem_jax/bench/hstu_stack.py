@@ -136,6 +136,48 @@ def child(stack_name: str, impl: str, reps: int, seed: int, rel_bias: bool = Tru
           "pct_of_gemm_peak": 100.0 * flops / step_s / peak, "loss": float(loss), "backend": jax.default_backend()}
 
 
+def tile_configs(stack_name: str, *, reps: int, seed: int, rel_bias: bool = True, candidates=None) -> list[dict]:
+  """The stack's attention alone (one layer's shapes: forward + backward of sum(out * cotangent), float32) with the
+  `xla` impl at each TileConfig of `candidates` (default pallas_kernels/hstu_attention/tiled.py's CANDIDATES), in
+  this process: the median time over `reps` calls after a compile call, and its ratio to the default config's."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pallas_kernels.hstu_attention import tiled, tune
+
+  stack = STACKS[stack_name]
+  lens = lengths(stack, seed)
+  tokens = int(lens.sum())
+  capacity = -(-tokens // 128) * 128
+  offsets = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+  keys = jax.random.split(jax.random.key(seed), 5)
+  h, dh, dv = stack["heads"], stack["head_dim"], stack["value_dim"]
+  q, k = (jax.random.normal(key, (capacity, h, dh), jnp.float32) for key in keys[:2])
+  v, cot = (jax.random.normal(key, (capacity, h, dv), jnp.float32) for key in keys[2:4])
+  bias = 0.1 * jax.random.normal(keys[4], (h, 32), jnp.float32) if rel_bias else None
+  candidates = list(candidates or tiled.CANDIDATES)
+  if tiled.DEFAULT_TILES not in candidates:
+    candidates.append(tiled.DEFAULT_TILES)
+  times = tune.time_configs_on(q, k, v, cot, offsets, candidates, reps=reps, max_seq_len=stack["max_len"],
+                               alpha=dh ** -0.5, rel_bias_HxR=bias)
+  rows = [{"stack": stack_name, "block": tc.block, "group": tc.group, "rel_bias": rel_bias, "fwd_bwd_s": times[tc],
+           "executed_pairs": tiled.executed_pairs(offsets, stack["max_len"], tc.block),
+           "default": tc == tiled.DEFAULT_TILES} for tc in candidates]
+  base = next(r["fwd_bwd_s"] for r in rows if r["default"])
+  for r in rows:
+    r["vs_default"] = r["fwd_bwd_s"] / base
+  return rows
+
+
+def tiles_table(rows: list[dict]) -> str:
+  lines = [f"{'stack':5} {'block':>5} {'group':>5} {'fwd+bwd ms':>10} {'vs default':>10} {'pairs':>10}"]
+  for r in rows:
+    lines.append(f"{r['stack']:5} {r['block']:5d} {r['group']:5d} {1e3 * r['fwd_bwd_s']:10.2f} "
+                 f"{r['vs_default']:9.2f}x {r['executed_pairs']:10,d}{'  (default)' if r['default'] else ''}")
+  return "\n".join(lines)
+
+
 def run_child(tree: str, stack: str, impl: str, reps: int, seed: int, rel_bias: bool = True) -> dict:
   """child() in a fresh process with `tree`'s gem_jax first on the path."""
   env = dict(os.environ, GEM_JAX_TREE=os.path.abspath(tree), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))

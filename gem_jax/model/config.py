@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import re
 
 import jax.numpy as jnp
 
@@ -45,6 +46,9 @@ class HSTUConfig:
   rel_pos_buckets: int = 32   # log-spaced relative-position buckets of the attention bias; 0: no bias
   attn_impl: str = "auto"     # gem_jax.ops.hstu_attention impl
   dropout_rate: float = 0.0   # on the gated attention output before the output projection (training only)
+  # The xla impl's tiles: "default" (pallas_kernels/hstu_attention/tiled.py DEFAULT_TILES), "auto" (timed per
+  # shape bucket on this backend, gem_jax.ops.hstu_attention), or "<block>x<group>", e.g. "32x16".
+  attn_tiles: str = "default"
 
   def __post_init__(self):
     _check_ints("model.hstu.", self, {"num_heads": 1, "head_dim": 1, "value_dim": 1, "num_contextual": 0,
@@ -54,6 +58,15 @@ class HSTUConfig:
       raise ValueError(f"model.hstu.keep_last must be a tuple of integers >= 1, got {self.keep_last!r}")
     if not isinstance(self.dropout_rate, numbers.Real) or not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"model.hstu.dropout_rate must be in [0, 1), got {self.dropout_rate!r}")
+    if self.attn_tiles not in ("default", "auto") and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", str(self.attn_tiles)):
+      raise ValueError(f"model.hstu.attn_tiles must be 'default', 'auto' or '<block>x<group>' (e.g. '32x16'), "
+                       f"got {self.attn_tiles!r}")
+
+  def tiles(self):
+    """attn_tiles as None ("default"), "auto", or (block, group)."""
+    if self.attn_tiles in ("default", "auto"):
+      return None if self.attn_tiles == "default" else "auto"
+    return tuple(int(x) for x in self.attn_tiles.split("x"))
 
 
 @dataclasses.dataclass(frozen=True)

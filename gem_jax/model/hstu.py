@@ -47,6 +47,8 @@ class HSTULayer(nnx.Module):
     self.max_seq_len = max_seq_len
     self.num_contextual = h.num_contextual
     self.attn_impl = h.attn_impl
+    tiles = h.tiles()
+    self.attn_tiles = ops.TileConfig(*tiles) if isinstance(tiles, tuple) else tiles
     self.dropout_rate = h.dropout_rate
     d, hdv = cfg.model_dim, h.num_heads * h.value_dim
     self.norm_in = LayerNorm(d, cfg, rngs=rngs)
@@ -73,7 +75,7 @@ class HSTULayer(nnx.Module):
     attn_TxHxDv = ops.hstu_attention(
         q_TxHxDh, k_TxHxDh, v_TxHxDv, x.offsets, max_seq_len=self.max_seq_len, alpha=self.head_dim ** -0.5,
         causal=True, num_targets=num_targets_B, contextual_seq_len=self.num_contextual,
-        rel_bias_HxR=self._rel_bias(), impl=self.attn_impl)
+        rel_bias_HxR=self._rel_bias(), impl=self.attn_impl, tiles=self.attn_tiles)
     return x.replace_values(values_TxD + self._output(attn_TxHxDv, u_TxHxDv, dropout_rng))
 
   def _rel_bias(self):

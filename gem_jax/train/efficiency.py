@@ -16,6 +16,7 @@ import os
 
 import jax
 
+from gem_jax import ops
 from gem_jax.observe import embedding_update, flops, hlo, meter as meter_lib, report as report_lib
 from gem_jax.run import table_update
 from gem_jax.train import trainer as trainer_lib
@@ -110,6 +111,8 @@ class Meter(Hook):
           colls, self.engine_stats, table_update.row_bytes(t.state.params, run.optimizer, t.state.opt_state))
     if run.tables is not None:
       rep["host_tables"] = run.tables.report(t.step - t.start_step)
+    if ops.hstu_tile_picks():
+      rep["hstu_tiles"] = ops.hstu_tile_picks()
     plots = report_lib.plot(rep, self.history, os.path.join(t.out_dir, "plots"))
     rep["plots"] = [os.path.relpath(p, t.out_dir) for p in plots]
     with open(os.path.join(t.out_dir, "report.json"), "w") as f:
