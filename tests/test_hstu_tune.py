@@ -58,6 +58,20 @@ def test_the_fastest_candidate_is_picked_once_and_read_back_from_the_file(tmp_pa
   assert again.pick(_bucket()) == TWO[1] and again.report()[0]["source"] == "file"
 
 
+def test_a_bad_tile_file_is_named_and_a_multi_process_run_does_not_time(tmp_path, monkeypatch):
+  bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  with pytest.raises(ValueError, match="bad.json: not a readable JSON file of HSTU tile picks"):
+    tune.Tuner(str(bad))
+  bad.write_text(json.dumps({"k": {"block": 0, "group": 4}}))
+  with pytest.raises(ValueError, match=r"bad.json: the pick of bucket k needs integer 'block' and 'group' >= 1"):
+    tune.Tuner(str(bad))
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(tune, "time_configs", lambda *a, **k: pytest.fail("a multi-process run timed a bucket"))
+  with pytest.raises(RuntimeError, match="2-process run: bucket .* is not in"):
+    tune.Tuner(None, candidates=TWO).pick(_bucket())
+
+
 def test_auto_tiles_inside_a_trace_time_the_candidates_and_keep_the_values(monkeypatch):
   tuner = tune.Tuner(None, candidates=TWO, reps=1)
   monkeypatch.setattr(tune, "default", lambda: tuner)

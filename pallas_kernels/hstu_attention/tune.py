@@ -113,12 +113,16 @@ class Tuner:
     self._timed: set[str] = set()      # the buckets this process timed (the others came from the file)
     self._lock = threading.Lock()
     if path and os.path.exists(path):
-      with open(path) as f:
-        self._picks = json.load(f)
+      self._picks = _read(path)
 
   def pick(self, b: dict) -> tiled.TileConfig:
     key = key_of(b)
     with self._lock:
+      if key not in self._picks and jax.process_count() > 1:
+        # Each process would time on its own and might pick another config, and so compile another program.
+        raise RuntimeError(f"model.hstu.attn_tiles=auto in a {jax.process_count()}-process run: bucket {key} is "
+                           f"not in {self.path or 'a tile file'}; run one process with ${ENV_FILE} set to fill it, "
+                           "then give every process that file")
       if key not in self._picks:
         times = time_configs(b, self.candidates, reps=self.reps)
         best = min(times, key=times.get)
@@ -142,6 +146,22 @@ class Tuner:
   def report(self) -> list[dict]:
     """The picks this process used: bucket, config, and the timings behind it (report.json's hstu_tiles)."""
     return [dict(v) for v in self._used.values()]
+
+
+def _read(path: str) -> dict[str, dict]:
+  """A tile file's picks, each checked (a bad file is named, not half-used)."""
+  try:
+    with open(path) as f:
+      picks = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path}: not a readable JSON file of HSTU tile picks ({e})") from e
+  if not isinstance(picks, dict):
+    raise ValueError(f"{path}: expected an object of bucket -> pick, got {type(picks).__name__}")
+  for key, entry in picks.items():
+    ok = isinstance(entry, dict) and all(isinstance(entry.get(f), int) and entry[f] >= 1 for f in ("block", "group"))
+    if not ok:
+      raise ValueError(f"{path}: the pick of bucket {key} needs integer 'block' and 'group' >= 1, got {entry!r}")
+  return picks
 
 
 _DEFAULT: dict[str, Tuner] = {}
