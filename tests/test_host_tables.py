@@ -171,6 +171,23 @@ def test_a_cache_no_larger_than_a_step_s_ids_rounds_like_the_whole_table(mesh):
   _assert_same(want, got)
 
 
+def test_an_evaluation_compiles_one_eval_program_however_its_batches_rows_spread(monkeypatch):
+  """Each eval batch reads its own number of distinct rows; the packed tables of every batch of one
+  evaluation have one size per table (the largest batch's bucket), so the eval step is traced once."""
+  from gem_jax.run import tasks
+  from gem_jax.train import trainer
+  run = build(_config(HOST, "train.host_cache_fraction=0.01", "train.eval_examples=512"))
+  whole, batches = run.whole_params(run.state.params), run.eval_batches("eval")
+  shapes = lambda views: {tuple(x.shape for x in jax.tree_util.tree_leaves(p)) for p, _ in views}
+  alone = set().union(*(shapes(run.tables.eval_views(whole, [b])) for b in batches))
+  assert len(alone) > 1   # packed one batch at a time, the batches' tables would differ in size
+  assert len(shapes(run.tables.eval_views(whole, batches))) == 1
+  traces, original = [], tasks.AdsMultiTask.predict
+  monkeypatch.setattr(tasks.AdsMultiTask, "predict", lambda self, *a: (traces.append(1), original(self, *a))[1])
+  trainer.evaluate(run, whole, "eval")
+  assert len(traces) == 1
+
+
 @pytest.mark.slow
 def test_a_checkpoint_from_one_cache_size_resumes_with_another_and_evaluations_match(tmp_path):
   sets = ["train.steps=8", "train.checkpoint_every=4", "train.eval_every=4", "train.eval_examples=256",

@@ -31,6 +31,7 @@ U distinct rows a batch reads, K rows a swap fills.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -382,18 +383,32 @@ class HostTables:
     self.staged.append(_Staged(fills, pins))
     return out
 
-  def eval_view(self, params, sharded: Batch):
-    """(params, batch) for the eval step from whole parameters (Run.whole_params): each host table replaced
-    by just the rows this batch reads, packed per owner shard (owner o's rows in o u .. (o + 1) u - 1), and
-    the batch's ids rewritten to those positions. Nothing of the caches is read or changed."""
-    whole = host_leaves(params, list(self.tables))
-    packed = {}
+  def eval_views(self, params, batches: list):
+    """(params, batch) per batch of an evaluation, for the eval step, from whole parameters
+    (Run.whole_params): each host table replaced by just the rows that batch reads, packed per owner shard
+    (owner o's rows in o u .. (o + 1) u - 1), and the batch's ids rewritten to those positions. u is one
+    size per table for the whole evaluation (the largest owner's share of the largest batch, rounded up to a
+    power of two), so an evaluation compiles one eval program however its batches' rows spread (one per
+    batch's size bucket before: three programs for 256 examples of tiny on cpu_2). Made one batch at a time;
+    nothing of the caches is read or changed."""
+    sizes = {}
 
-    def pack(name, table, batch_rows):
+    def owner_counts(table, batch_rows):
       rows_U = np.union1d(batch_rows, [0])   # row 0 first: padding reads position 0 (HostTable._hold_row_zero)
       owner_U = rows_U // table.per_owner
-      counts = np.bincount(owner_U, minlength=table.owners)
-      u = _bucket(int(counts.max()))
+      return rows_U, owner_U, np.bincount(owner_U, minlength=table.owners)
+
+    def measure(name, table, batch_rows):
+      sizes[name] = max(sizes.get(name, 0), int(owner_counts(table, batch_rows)[2].max()))
+      return np.zeros(len(batch_rows), np.int32)
+
+    for sharded in batches:
+      self._rewrite(sharded, measure)
+    whole = host_leaves(params, list(self.tables))
+
+    def pack(packed, name, table, batch_rows):
+      rows_U, owner_U, counts = owner_counts(table, batch_rows)
+      u = _bucket(sizes[name])
       rank = np.arange(len(rows_U)) - np.repeat(np.cumsum(counts) - counts, counts)
       at = owner_U * u + rank
       rows = np.asarray(whole[name][0])
@@ -402,8 +417,10 @@ class HostTables:
       packed[name] = [out]
       return at[np.searchsorted(rows_U, batch_rows)]
 
-    batch = self._rewrite(sharded, pack)
-    return replace_host_leaves(params, packed), batch
+    for sharded in batches:
+      packed = {}
+      batch = self._rewrite(sharded, functools.partial(pack, packed))
+      yield replace_host_leaves(params, packed), batch
 
   # -- swap ------------------------------------------------------------------------------------------------
   def _swap_body(self, state, loads):

@@ -272,7 +272,7 @@ def evaluate(run, params, split: str) -> dict:
   if run.tables is None:
     predictions = [np.asarray(run.eval_step(params, run.place(b))) for b in batches]
   else:  # `params` hold host tables whole (Run.whole_params): each batch gets just the rows it reads
-    views = (run.tables.eval_view(params, b) for b in batches)
+    views = run.tables.eval_views(params, batches)
     predictions = [np.asarray(run.eval_step(p, run.place(b))) for p, b in views]
   return run.task.evaluate(predictions, batches)
 
