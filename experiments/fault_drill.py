@@ -33,11 +33,15 @@ def main(argv=None) -> int:
   p.add_argument("--mesh", default=None, help="mesh file the processes split (default: one device per process)")
   p.add_argument("--grace", type=float, default=5.0, help="multi-process: seconds the other processes may run on "
                  "after one is killed")
+  p.add_argument("--reference", choices=("group", "one"), default="group", help="multi-process: the unbroken "
+                 "run as a group of --processes (default), or one process holding all of the mesh's devices (one "
+                 "compile instead of one per process; also claims the group trains what one process trains)")
   args = p.parse_args(argv)
   from gem_jax.train import fault_drill
   try:
     spec = fault_drill.Drill(args.kills, args.steps, args.checkpoint_every, args.seed, args.config, tuple(args.set),
-                             args.workdir, args.keep_runs, args.timeout, args.processes, args.mesh, args.grace)
+                             args.workdir, args.keep_runs, args.timeout, args.processes, args.mesh, args.grace,
+                             args.reference)
   except ValueError as e:
     p.error(str(e))
   result = fault_drill.drill(spec)

@@ -160,6 +160,13 @@ def test_kill_points_cover_each_kind_in_run_order():
     fault_drill.plan_kills(6, 4, 2, seed=0)
 
 
+def test_a_drill_reference_is_a_group_or_one_process():
+  assert fault_drill.Drill().reference == "group"
+  assert fault_drill.Drill(processes=2, mesh="meshes/cpu_2.yaml", reference="one").reference == "one"
+  with pytest.raises(ValueError, match="reference is 'group' or 'one'"):
+    fault_drill.Drill(reference="single")
+
+
 @pytest.mark.slow
 def test_fault_drill_resumes_bit_for_bit(tmp_path):
   """The CI size of `experiments/fault_drill.py --kills 5`: three kills, one of each kind."""

@@ -13,13 +13,22 @@ Kill points are drawn (seeded by --seed) from three kinds of moment, each used o
 Every trainer process shares one persistent compilation cache (in the work folder), so only the reference
 run pays for compiling.
 
-Multi-process mode (`processes` > 1, with a mesh file whose devices the processes split): each run above is
-a group of processes on one coordinator (a fresh port each start), and each kill takes one process of the
+Multi-process mode (`processes` > 1, with a mesh file whose devices the processes split): each drilled start
+is a group of processes on one coordinator (a fresh port each start), and each kill takes one process of the
 group, the i-th kill process i mod `processes` (so the coordinator dies too). The others are left `grace_s`
 seconds to notice (a peer's death fails their next collective or heartbeat) and are then killed, as a
 cluster scheduler ends a job step whose task died; then the whole group is restarted with resume. The
 comparison restores both runs' last checkpoints on one device (resharded), so it checks the checkpoint a
-multi-process run wrote as well as the training. The trainer announces these moments on stdout (`train(on_event=...)`); the drill kills the moment it reads
+multi-process run wrote as well as the training. The reference is a group like the drilled run's
+(`reference="group"`, the default) or one process holding all of the mesh's devices (`reference="one"`): a
+group start costs every process a compile of its own (a multi-process CPU run keeps no persistent cache,
+gem_jax/parallel/distributed.py), where one process compiles once and writes the cache. "one" also claims
+that the group trains exactly what one process trains, which holds where each cross-process reduction adds
+its terms in the order one process would (on cpu_2 with host tables, 2026-12-05: every loss, all 231 state
+leaves and the evaluation equal to the bit); on a mesh where it does not, `identical` is false for a reason
+that is not the resume.
+
+The trainer announces these moments on stdout (`train(on_event=...)`); the drill kills the moment it reads
 the line, so the process dies a few milliseconds later, wherever it got to.
 
 Written to --out (JSON): `identical` (every per-step loss, the final train state -- params, optimizer
@@ -66,8 +75,12 @@ class Drill:
   processes: int = 1
   mesh: str | None = None      # mesh file; default one device (one per process)
   grace_s: float = 5.0         # multi-process: how long the others of a killed process may run on
+  reference: str = "group"     # multi-process: the unbroken run as a group like the drilled one, or "one" process
 
   def __post_init__(self):
+    if self.reference not in ("group", "one"):
+      raise ValueError(f"a drill's reference is 'group' or 'one' (one process with all of the mesh's devices), "
+                       f"got {self.reference!r}")
     if self.kills < 0 or self.steps < 2 or self.checkpoint_every < 1:
       raise ValueError("a drill needs kills >= 0, steps >= 2, checkpoint_every >= 1")
     if self.processes < 1 or self.grace_s < 0:
@@ -299,8 +312,9 @@ def drill(args: Drill) -> dict:
   print(f"fault drill: {args.steps} steps of {args.config}, a checkpoint every {args.checkpoint_every}; kill points "
         f"{plan}; runs in {work}", flush=True)
   with open(os.path.join(work, "reference.log"), "w") as log:
-    ref = _run(args, ref_dir, log, None)
-  print(f"  reference run: {ref['wall_s']} s", flush=True)
+    ref = _run(dataclasses.replace(args, processes=1) if args.reference == "one" else args, ref_dir, log, None)
+  print(f"  reference run ({'one process' if args.reference == 'one' else f'{args.processes} processes'}): "
+        f"{ref['wall_s']} s", flush=True)
   kills = []
   with open(os.path.join(work, "drilled.log"), "w") as log:
     for i, (kind, step) in enumerate(plan):
@@ -323,7 +337,8 @@ def drill(args: Drill) -> dict:
   result.update(
       kills=kills, steps_lost=[k["steps_lost"] for k in kills], total_steps_lost=sum(k["steps_lost"] for k in kills),
       config=args.config, steps=args.steps, checkpoint_every=args.checkpoint_every, seed=args.seed,
-      processes=args.processes, mesh=args.mesh, overrides=_overrides(args), reference_wall_s=ref["wall_s"],
+      processes=args.processes, mesh=args.mesh, overrides=_overrides(args),
+      reference_processes=1 if args.reference == "one" else args.processes, reference_wall_s=ref["wall_s"],
       drilled_wall_s=round(sum(k["process_wall_s"] for k in kills) + final["wall_s"], 2),
       wall_s=round(time.perf_counter() - t0, 2), workdir=work)
   if not args.keep_runs and args.workdir is None and result["identical"]:
