@@ -11,9 +11,13 @@ from gem_jax import gc_env
 
 
 @pytest.fixture
-def thresholds():
+def thresholds(monkeypatch):
+  """The collector's thresholds restored after the test; gc.freeze only counted (freezing this session's
+  objects midway would keep them, and extension objects among them, alive to the end)."""
   saved = gc.get_threshold()
-  yield
+  freezes = []
+  monkeypatch.setattr(gc, "freeze", lambda: freezes.append(1))
+  yield freezes
   gc.set_threshold(*saved)
 
 
@@ -21,8 +25,9 @@ def test_the_variable_sets_the_thresholds_and_unset_leaves_them(thresholds):
   gc.set_threshold(700, 10, 10)
   assert gc_env.apply({}) is None and gc_env.apply({gc_env.VAR: " "}) is None
   assert gc.get_threshold() == (700, 10, 10)
+  assert not thresholds
   assert gc_env.apply({gc_env.VAR: "12345,6,78"}) == (12345, 6, 78)
-  assert gc.get_threshold() == (12345, 6, 78)
+  assert gc.get_threshold() == (12345, 6, 78) and thresholds == [1]
   assert gc_env.apply({gc_env.VAR: "5000"}) == (5000,) and gc.get_threshold() == (5000, 6, 78)
 
 
