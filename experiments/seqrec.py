@@ -7,6 +7,7 @@ item, history excluded) under the leave-one-out protocol (gem_jax/run/next_item.
   python experiments/seqrec.py --dataset ml-100k --quick --out runs/seqrec-quick   # CI-sized check
   python experiments/seqrec.py --dataset ml-1m --set train.epochs=20 --set model.num_layers=4
   python experiments/seqrec.py --dataset ml-100k --quick --out runs/seqrec-quick --resume
+  python experiments/seqrec.py --dataset beauty --seeds 3 --out runs/seqrec-beauty --results results/seqrec/beauty.json
 
 Datasets (--data-dir, default ../shared/data or $GEM_JAX_DATA_DIR; the files are never copied here):
   ml-1m    ml-1m/ratings.dat (GroupLens) if present, else ml-1m/ml-1m_sequences_orig_ids.txt
@@ -14,10 +15,13 @@ Datasets (--data-dir, default ../shared/data or $GEM_JAX_DATA_DIR; the files are
   beauty, sports, toys   amazon-s3rec/{Beauty,Sports_and_Outdoors,Toys_and_Games}.txt (S3-Rec format)
 Writes the run folder (metrics.jsonl, checkpoints/, best/, summary.json, report.json) and results.json:
 validation and test metrics of the kept evaluation, a most-popular baseline, every evaluation, the config
-and the wall times.
+and the wall times. With --seeds N: one such folder per seed (OUT/seed-0, ...; train.seed and data.seed set
+to it) and OUT/seeds.json with the mean, standard deviation and per-seed HR@10 / NDCG@10 of validation and
+test; --results also writes that summary (the file format of results/seqrec/*.json).
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -33,7 +37,11 @@ def main(argv=None) -> int:
   p.add_argument("--no-report", action="store_true", help="skip the efficiency report")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="override a config field, e.g. --set train.epochs=20 --set model.dim=64 (repeatable)")
+  p.add_argument("--seeds", type=int, default=0, help="train seeds 0..N-1, one folder each, and summarize them")
+  p.add_argument("--results", default=None, help="with --seeds: also write the seed summary to this JSON file")
   args = p.parse_args(argv)
+  if args.results and not args.seeds:
+    p.error("--results needs --seeds")
 
   from gem_jax import configs
   from gem_jax.config import apply_overrides
@@ -43,7 +51,16 @@ def main(argv=None) -> int:
       ([f"mesh={args.mesh}"] if args.mesh else [])
   cfg = apply_overrides(configs.seqrec(args.dataset, quick=args.quick), sets)
   out = args.out or f"runs/seqrec-{args.dataset}"
-  jobs.train_next_item(cfg, out, resume=args.resume, report=not args.no_report)
+  if not args.seeds:
+    jobs.train_next_item(cfg, out, resume=args.resume, report=not args.no_report)
+    return 0
+  command = " ".join(["python experiments/seqrec.py"] + [a for a in (argv if argv is not None else sys.argv[1:])])
+  summary = jobs.train_next_item_seeds(cfg, out, list(range(args.seeds)), resume=args.resume,
+                                       report=not args.no_report, command=command)
+  if args.results:
+    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+    with open(args.results, "w") as f:
+      json.dump({"dataset": args.dataset, **summary}, f, indent=1)
   return 0
 
 

@@ -1,13 +1,18 @@
-"""Next-item model over jagged item histories: gem-jax's HSTU sequence tower with a shared item table.
+"""Next-item model over jagged item histories: a sequence tower with a shared item table.
 
-  tokens  = sqrt(D) * item_emb[item] + pos_emb[position]     (position inside the row, 0 = oldest kept item)
-  -> dropout -> L x HSTULayer (jagged, causal, relative-position bias, linear dropout)
-  -> L2 normalize                                           = the user embedding after each token
+  tokens  = sqrt(D) * item_emb[item] + pos_emb[position]     (position inside the row, 0 = oldest kept item;
+                                                             embed_scale=False drops the sqrt(D))
+  -> dropout -> L x layer (jagged, causal)
+  -> L2 normalize (normalize=True)                           = the user embedding after each token
 
-An item's output embedding is its input row of the same table, L2 normalized; a score is the dot product of
-the two unit vectors (divided by a temperature in the loss). This is the setup of HSTU's public
-experiments (Zhai et al., ICML 2024, Sec. 4.1.1): item_embedding_dim 50, 2 blocks, 1 head, dqk = dv = 50,
-dropout 0.2, l2-normalized user and item embeddings, on MovieLens-1M with max length 200.
+The layer (`arch`): "hstu", gem-jax's HSTULayer (relative-position bias, linear dropout); "sasrec" and
+"esasrec", the softmax-attention blocks of gem_jax/model/sasrec.py, which set the model/loss comparison
+apart from the code around it (same embeddings, losses, task and metrics).
+
+An item's output embedding is its input row of the same table (L2 normalized when the user embedding is);
+a score is the dot product of the two (divided by a temperature in the loss). The defaults are the setup of
+HSTU's public experiments (Zhai et al., ICML 2024, Sec. 4.1.1): item_embedding_dim 50, 2 blocks, 1 head,
+dqk = dv = 50, dropout 0.2, l2-normalized user and item embeddings, on MovieLens-1M with max length 200.
 
 Letters: T token capacity, B rows, D model width, I items (+1: column/row 0 is padding), K negatives.
 The model never builds a B x N padded layout itself; attention goes through gem_jax.ops.
@@ -24,7 +29,8 @@ from flax import nnx
 from gem_jax.jagged import Jagged
 from gem_jax.model.config import HSTUConfig, ModelConfig
 from gem_jax.model.hstu import HSTULayer
-from gem_jax.model.layers import dropout
+from gem_jax.model import sasrec
+from gem_jax.model.layers import LayerNorm, dropout
 
 L2_EPS = 1e-6
 
@@ -38,9 +44,18 @@ class SeqRecModelConfig:
   value_dim: int = 50         # u/v width per head
   max_len: int = 200          # most recent items kept per row
   dropout_rate: float = 0.2   # input embeddings and each layer's linear dropout
-  attn_impl: str = "auto"     # gem_jax.ops.hstu_attention impl
+  attn_impl: str = "auto"     # gem_jax.ops attention impl
+  arch: str = "hstu"          # "hstu", "sasrec" or "esasrec" (module docstring)
+  ffn_multiplier: int = 1     # sasrec / esasrec: feed-forward width = ffn_multiplier * dim
+  normalize: bool = True      # L2-normalize user and item embeddings (False: raw dot products, as SASRec)
+  embed_scale: bool = True    # multiply item embeddings by sqrt(dim) at the input
+  rel_bias: bool = True       # hstu: the relative-position attention bias
 
   def __post_init__(self):
+    if self.arch not in ("hstu",) + sasrec.ARCHS:
+      raise ValueError(f"SeqRecModelConfig: arch must be one of {('hstu',) + sasrec.ARCHS}, got {self.arch!r}")
+    if self.ffn_multiplier < 1:
+      raise ValueError(f"SeqRecModelConfig: ffn_multiplier must be >= 1, got {self.ffn_multiplier}")
     if min(self.dim, self.num_layers, self.num_heads, self.head_dim, self.value_dim, self.max_len) < 1:
       raise ValueError(f"SeqRecModelConfig: sizes must be positive: {self}")
     if not 0.0 <= self.dropout_rate < 1.0:
@@ -51,7 +66,7 @@ class SeqRecModelConfig:
     bucket per distance: 2 * max_len buckets make the first max_len of them exact distances."""
     hstu = HSTUConfig(num_heads=self.num_heads, head_dim=self.head_dim, value_dim=self.value_dim,
                       keep_last=(self.max_len,) * self.num_layers, num_contextual=0,
-                      rel_pos_buckets=2 * self.max_len, attn_impl=self.attn_impl, dropout_rate=self.dropout_rate)
+                      rel_pos_buckets=2 * self.max_len if self.rel_bias else 0, attn_impl=self.attn_impl, dropout_rate=self.dropout_rate)
     return ModelConfig(model_dim=self.dim, num_layers=self.num_layers, hstu=hstu)
 
 
@@ -80,24 +95,34 @@ class SeqRecModel(nnx.Module):
     self.item_emb_IxD = nnx.Param(item_init(rngs.params(), (num_items + 1, cfg.dim), jnp.float32))
     self.pos_emb_NxD = nnx.Param(pos_init(rngs.params(), (cfg.max_len, cfg.dim), jnp.float32))
     mcfg = cfg.hstu_model_config()
-    self.layers = nnx.List([HSTULayer(mcfg, cfg.max_len, site=f"layers.{i}", rngs=rngs)
-                            for i in range(cfg.num_layers)])
+    if cfg.arch == "hstu":
+      self.layers = nnx.List([HSTULayer(mcfg, cfg.max_len, site=f"layers.{i}", rngs=rngs)
+                              for i in range(cfg.num_layers)])
+    else:
+      self.layers = nnx.List([sasrec.SoftmaxBlock(cfg.arch, mcfg, cfg.max_len, ffn_multiplier=cfg.ffn_multiplier,
+                                                  dropout_rate=cfg.dropout_rate, attn_impl=cfg.attn_impl,
+                                                  site=f"layers.{i}", rngs=rngs) for i in range(cfg.num_layers)])
+    self.final_norm = LayerNorm(cfg.dim, mcfg, rngs=rngs) if cfg.arch == "sasrec" else None
 
   def encode(self, items: Jagged, dropout_rng=None):
     """items: Jagged (T,) int32 item ids, rows of at most max_len (the batch builder checks it on the host:
-    a longer row would read a clamped position) -> unit user embeddings T x D (f32). Dropout is on only
+    a longer row would read a clamped position) -> user embeddings T x D (f32; unit rows when normalize). Dropout is on only
     when `dropout_rng` is given."""
     rngs = [None] * (len(self.layers) + 1)
     if dropout_rng is not None:
       rngs = list(jax.random.split(dropout_rng, len(self.layers) + 1))
     ids_T = items.values
     pos_T = items.positions()  # padding slots read position 0; their outputs are never used
-    x_TxD = self.cfg.dim ** 0.5 * self.item_emb_IxD[...][ids_T] + self.pos_emb_NxD[...][pos_T]
+    scale = self.cfg.dim ** 0.5 if self.cfg.embed_scale else 1.0
+    x_TxD = scale * self.item_emb_IxD[...][ids_T] + self.pos_emb_NxD[...][pos_T]
     x = Jagged(dropout(x_TxD, self.cfg.dropout_rate, rngs[0]), items.offsets)
     for layer, rng in zip(self.layers, rngs[1:]):
       x = layer(x, dropout_rng=rng)
-    return l2_normalize(x.values)
+    user_TxD = x.values if self.final_norm is None else self.final_norm(x.values)
+    return l2_normalize(user_TxD) if self.cfg.normalize else user_TxD.astype(jnp.float32)
 
   def item_table(self):
-    """Unit output embeddings of every item, (I + 1) x D; row 0 (padding) is not a candidate."""
-    return l2_normalize(self.item_emb_IxD[...])
+    """Output embeddings of every item, (I + 1) x D (unit rows when normalize); row 0 (padding) is not a
+    candidate."""
+    table_IxD = self.item_emb_IxD[...]
+    return l2_normalize(table_IxD) if self.cfg.normalize else table_IxD.astype(jnp.float32)

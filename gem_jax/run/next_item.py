@@ -7,13 +7,18 @@ user's history excluded, HR@K and NDCG@K averaged over all users (gem_jax/metric
 train.select_metric set, the evaluation with the best validation value picks the parameters the test split
 is read with (the trainer's selection hook).
 
-Losses (`loss`), over unit embeddings divided by a temperature:
-  sampled_softmax  one set of negatives shared by every token of the batch (the source draws them:
+Losses (`loss`), over the model's scores divided by a temperature:
+  sampled_softmax  the target against a set of negatives; a negative equal to a token's own target masked.
+                   negatives="shared": one set shared by every token of the batch (the source draws them:
                    gem_jax/data/seqrec_source.py), logits corrected by the log of their expected count in
-                   the set (logQ), the target logit too, and a negative equal to a token's own target masked
+                   the set (logQ), the target logit too. negatives="per_token": num_negatives drawn
+                   uniformly for each token in the step (SASRec+SS's setting; no correction needed)
   full_softmax     every item is a negative (exact cross-entropy; T x I x D per step)
+  bce              binary cross-entropy of the target against each of its negatives (SASRec's original
+                   loss with negatives="per_token", num_negatives=1)
 
-Letters: T token capacity, B rows, D model width, I items (+1: id 0 is padding), K negatives.
+Letters: T token capacity, B rows, D model width, I items (+1: id 0 is padding), K negatives (per batch or
+per token).
 """
 
 from __future__ import annotations
@@ -29,16 +34,44 @@ from gem_jax.model.seqrec import SeqRecModel
 from gem_jax.run.tasks import Task, register
 
 
-def sampled_softmax_loss_sums(user_TxD, table_IxD, targets_T, negatives_K, logq_neg_K, logq_pos_T, temperature):
-  """(sum over real tokens (target > 0) of -log softmax of the target among it and the shared negatives,
-  the number of real tokens)."""
+def _negative_logits(user_TxD, table_IxD, negatives, logq_neg, temperature):
+  """Logits of the negatives, T x K: one set shared by every token (negatives_K) or a set per token
+  (negatives_TxK), minus their logQ (K or T x K)."""
+  if negatives.ndim == 1:
+    logits_TxK = jnp.einsum("td,kd->tk", user_TxD, table_IxD[negatives], preferred_element_type=jnp.float32)
+  else:
+    logits_TxK = jnp.einsum("td,tkd->tk", user_TxD, table_IxD[negatives], preferred_element_type=jnp.float32)
+  return logits_TxK / temperature - jnp.broadcast_to(logq_neg, logits_TxK.shape)
+
+
+def _per_token_negatives(negatives, targets_T):
+  return jnp.broadcast_to(negatives, targets_T.shape + negatives.shape[-1:])
+
+
+def sampled_softmax_loss_sums(user_TxD, table_IxD, targets_T, negatives, logq_neg, logq_pos_T, temperature):
+  """(sum over real tokens (target > 0) of -log softmax of the target among it and its negatives, the number
+  of real tokens). negatives: K shared by all tokens, or T x K, one set per token; the logits are
+  corrected by the log of each item's expected count in the set (logQ: logq_neg K or T x K, logq_pos_T),
+  and a negative equal to the token's own target is masked."""
   valid_T = targets_T > 0
   pos_T = jnp.sum(user_TxD * table_IxD[targets_T], axis=-1) / temperature - logq_pos_T
-  neg_TxK = jnp.einsum("td,kd->tk", user_TxD, table_IxD[negatives_K],
-                       preferred_element_type=jnp.float32) / temperature - logq_neg_K[None, :]
-  neg_TxK = jnp.where(negatives_K[None, :] == targets_T[:, None], -jnp.inf, neg_TxK)
+  neg_TxK = _negative_logits(user_TxD, table_IxD, negatives, logq_neg, temperature)
+  neg_TxK = jnp.where(_per_token_negatives(negatives, targets_T) == targets_T[:, None], -jnp.inf, neg_TxK)
   lse_T = jax.nn.logsumexp(jnp.concatenate([pos_T[:, None], neg_TxK], axis=1), axis=1)
   return jnp.sum(jnp.where(valid_T, lse_T - pos_T, 0.0)), jnp.sum(valid_T)
+
+
+def bce_loss_sums(user_TxD, table_IxD, targets_T, negatives, logq_neg, logq_pos_T, temperature):
+  """(sum over real tokens of -log sigmoid(target logit) - sum over its negatives of log(1 - sigmoid(logit)),
+  the number of real tokens): SASRec's original loss with one negative per token. No logQ; a negative equal
+  to the target is masked."""
+  del logq_neg, logq_pos_T
+  valid_T = targets_T > 0
+  pos_T = jnp.sum(user_TxD * table_IxD[targets_T], axis=-1) / temperature
+  neg_TxK = _negative_logits(user_TxD, table_IxD, negatives, 0.0, temperature)
+  hit_TxK = _per_token_negatives(negatives, targets_T) == targets_T[:, None]
+  loss_T = jax.nn.softplus(-pos_T) + jnp.sum(jnp.where(hit_TxK, 0.0, jax.nn.softplus(neg_TxK)), axis=1)
+  return jnp.sum(jnp.where(valid_T, loss_T, 0.0)), jnp.sum(valid_T)
 
 
 def full_softmax_loss_sums(user_TxD, table_IxD, targets_T, negatives_K, logq_neg_K, logq_pos_T, temperature):
@@ -53,7 +86,8 @@ def full_softmax_loss_sums(user_TxD, table_IxD, targets_T, negatives_K, logq_neg
   return jnp.sum(jnp.where(valid_T, lse_T - pos_T, 0.0)), jnp.sum(valid_T)
 
 
-LOSSES = {"sampled_softmax": sampled_softmax_loss_sums, "full_softmax": full_softmax_loss_sums}
+LOSSES = {"sampled_softmax": sampled_softmax_loss_sums, "full_softmax": full_softmax_loss_sums, "bce": bce_loss_sums}
+NEGATIVES = ("shared", "per_token")
 
 
 def mean_loss(loss_of, *args):
@@ -62,15 +96,24 @@ def mean_loss(loss_of, *args):
   return total / jnp.maximum(count, 1)
 
 
+NEGATIVES_STREAM = 0x6E6567  # fold_in constant: per-token negatives' key, apart from the dropout keys
+
+
 @dataclasses.dataclass(frozen=True)
 class NextItemConfig:
-  loss: str = "sampled_softmax"     # or "full_softmax"
+  loss: str = "sampled_softmax"     # "sampled_softmax", "full_softmax" or "bce"
   temperature: float = 0.05
   ks: tuple[int, ...] = (10, 50, 200)
+  negatives: str = "shared"         # "shared": the source's set per batch; "per_token": num_negatives per token
+  num_negatives: int = 256          # per_token: drawn uniformly from the catalog in the step (no logQ needed)
 
   def __post_init__(self):
     if self.loss not in LOSSES:
       raise ValueError(f"task.loss: unknown loss {self.loss!r}; known: {sorted(LOSSES)}")
+    if self.negatives not in NEGATIVES:
+      raise ValueError(f"task.negatives: must be one of {NEGATIVES}, got {self.negatives!r}")
+    if self.num_negatives < 1:
+      raise ValueError(f"task.num_negatives must be >= 1, got {self.num_negatives}")
     if not self.temperature > 0:
       raise ValueError(f"task.temperature must be > 0, got {self.temperature}")
     if not self.ks or min(self.ks) < 1:
@@ -96,8 +139,15 @@ class NextItem(Task):
 
   def sums(self, model, batch, dropout_rng):
     user_TxD = model.encode(batch.items, dropout_rng=dropout_rng)
-    total, count = LOSSES[self.config.loss](user_TxD, model.item_table(), batch.targets_T, batch.negatives_K,
-                                            batch.logq_neg_K, batch.logq_pos_T, self.config.temperature)
+    c = self.config
+    negatives, logq_neg, logq_pos_T = batch.negatives_K, batch.logq_neg_K, batch.logq_pos_T
+    if c.negatives == "per_token":  # uniform: every item's logQ is the same and cancels
+      key = jax.random.fold_in(dropout_rng, NEGATIVES_STREAM)
+      negatives = jax.random.randint(key, batch.targets_T.shape + (c.num_negatives,), 1, model.num_items + 1,
+                                     dtype=jnp.int32)
+      logq_neg, logq_pos_T = 0.0, jnp.zeros_like(logq_pos_T)
+    total, count = LOSSES[c.loss](user_TxD, model.item_table(), batch.targets_T, negatives, logq_neg, logq_pos_T,
+                                  c.temperature)
     return {"loss_sum": total, "tokens": count.astype(jnp.float32)}
 
   def loss(self, totals):

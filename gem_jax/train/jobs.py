@@ -96,3 +96,57 @@ def train_next_item(cfg, out_dir: str, *, resume: bool = False, report: bool = T
   log(f"{results['dataset']}: kept step {results['best_step']} ({results['stop_reason']}); test "
       + " ".join(f"{k} {v:.4f}" for k, v in results["test"].items()) + f"; wall {summary['wall_s']:.0f}s")
   return results
+
+
+SEED_METRICS = ("HR@10", "NDCG@10")
+
+
+def seed_summary(per_seed: list[dict], splits=("valid", "test"), metrics=SEED_METRICS) -> dict:
+  """Mean, sample standard deviation (ddof 1; 0 for one seed) and the per-seed values of `metrics` in each
+  split, from train_next_item results ({"seed", "valid": {...}, "test": {...}} each). Keys are lower case
+  ("hr@10"), as results/seqrec/*.json holds them."""
+  import numpy as np
+  out = {}
+  for split in splits:
+    rows = [{"seed": r["seed"], **{m.lower(): float(r[split][m]) for m in metrics}} for r in per_seed]
+    values = {m.lower(): np.array([row[m.lower()] for row in rows]) for m in metrics}
+    out[split] = {"mean": {m: float(v.mean()) for m, v in values.items()},
+                  "std": {m: float(v.std(ddof=1)) if v.size > 1 else 0.0 for m, v in values.items()},
+                  "seeds": rows}
+  return out
+
+
+def train_next_item_seeds(cfg, out_dir: str, seeds: list[int], *, resume: bool = False, report: bool = True,
+                          command: str = "", log=print) -> dict:
+  """train_next_item once per seed (train.seed and data.seed both set to it) into out_dir/seed-<s>, then
+  out_dir/seeds.json: seed_summary of the kept evaluations, the command and every run's folder. A seed whose
+  folder already holds results.json is read, not retrained (so an interrupted sweep goes on where it
+  stopped); with resume, an unfinished seed continues from its checkpoint."""
+  import dataclasses
+  import json
+
+  import jax
+
+  per_seed = []
+  for seed in seeds:
+    run_dir = os.path.join(out_dir, f"seed-{seed}")
+    done = os.path.join(run_dir, "results.json")
+    if os.path.exists(done):
+      with open(done) as f:
+        results = json.load(f)
+      log(f"seed {seed}: read {done}")
+    else:
+      seeded = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed),
+                                   data=dataclasses.replace(cfg.data, seed=seed))
+      results = train_next_item(seeded, run_dir, resume=resume, report=report, log=log)
+    per_seed.append({"seed": seed, "valid": results["valid"], "test": results["test"], "dir": run_dir,
+                     "best_step": results["best_step"], "wall_s": results["wall_s"]["total"]})
+  summary = {**seed_summary(per_seed), "command": command, "config": cfg.name,
+             "runs": [{k: r[k] for k in ("seed", "dir", "best_step", "wall_s")} for r in per_seed]}
+  if jax.process_index() == 0:
+    with open(os.path.join(out_dir, "seeds.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+  for split in ("valid", "test"):
+    s = summary[split]
+    log(f"{split} over seeds {seeds}: " + " ".join(f"{m} {s['mean'][m]:.4f} +- {s['std'][m]:.4f}" for m in s["mean"]))
+  return summary

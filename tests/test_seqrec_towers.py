@@ -1,0 +1,205 @@
+"""The next-item comparison towers and losses: SASRec and eSASRec blocks against a per-row dense computation,
+per-token sampled softmax and BCE against numpy, every tower training through the spine, the test split read
+only after training, and the seed summary of experiments/seqrec.py --seeds."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gem_jax import configs
+from gem_jax.config import apply_overrides
+from gem_jax.data import seqrec_source
+from gem_jax.jagged import Jagged
+from gem_jax.model.seqrec import SeqRecModel, SeqRecModelConfig
+from gem_jax.run import next_item
+from gem_jax.run.build import build
+from gem_jax.run.next_item import NextItemConfig
+from gem_jax.train import jobs
+from tests.data_helpers import toy_u_data
+
+
+# ---- the blocks against a dense computation, one row at a time ------------------------------------------
+def _ln(x, norm):
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) / np.sqrt(var + 1e-5) * np.asarray(norm.scale[...]) + np.asarray(norm.bias[...])
+
+
+def _dense(x, layer):
+  y = x @ np.asarray(layer.kernel[...])
+  return y if layer.bias is None else y + np.asarray(layer.bias[...])
+
+
+def _mha(q_in, kv_in, block, heads):
+  n, d = q_in.shape
+  q = _dense(q_in, block.q).reshape(n, heads, d // heads)
+  k, v = np.split(_dense(kv_in, block.kv), 2, axis=-1)
+  k, v = k.reshape(n, heads, d // heads), v.reshape(n, heads, d // heads)
+  logits = np.einsum("ihd,jhd->hij", q, k) / np.sqrt(d // heads)
+  logits = np.where(np.tril(np.ones((n, n), bool))[None], logits, -np.inf)
+  w = np.exp(logits - logits.max(-1, keepdims=True))
+  w /= w.sum(-1, keepdims=True)
+  return _dense(np.einsum("hij,jhd->ihd", w, v).reshape(n, d), block.attn_out)
+
+
+def _sigmoid(x):
+  return 1 / (1 + np.exp(-x))
+
+
+def _dense_row(model, ids, heads):
+  """One row through the model in numpy, straight from the formulas of gem_jax/model/sasrec.py."""
+  cfg = model.cfg
+  x = np.asarray(model.item_emb_IxD[...])[ids] * (cfg.dim ** 0.5 if cfg.embed_scale else 1.0)
+  x = x + np.asarray(model.pos_emb_NxD[...])[:len(ids)]
+  for b in model.layers:
+    if cfg.arch == "sasrec":
+      q = _ln(x, b.norm_attn)
+      x = q + _mha(q, x, b, heads)
+      z = _ln(x, b.norm_ffn)
+      x = z + _dense(np.maximum(_dense(z, b.ffn_in), 0), b.ffn_out)
+    else:
+      h = _ln(x, b.norm_attn)
+      x = x + _sigmoid(_dense(x, b.gate_attn)) * _mha(h, h, b, heads)
+      a, g = np.split(_dense(_ln(x, b.norm_ffn), b.ffn_in), 2, axis=-1)
+      x = x + _sigmoid(_dense(x, b.gate_ffn)) * _dense(a * _sigmoid(a) * g, b.ffn_out)
+  if cfg.arch == "sasrec":
+    x = _ln(x, model.final_norm)
+  return x / np.linalg.norm(x, axis=-1, keepdims=True) if cfg.normalize else x
+
+
+@pytest.mark.parametrize("arch,normalize", [("sasrec", False), ("esasrec", True)])
+def test_softmax_blocks_match_a_dense_computation_row_by_row(arch, normalize):
+  cfg = SeqRecModelConfig(dim=8, num_layers=2, num_heads=2, max_len=6, dropout_rate=0.3, attn_impl="xla", arch=arch,
+                          ffn_multiplier=2, normalize=normalize, embed_scale=False)
+  model = SeqRecModel(cfg, num_items=11, rngs=nnx.Rngs(3))
+  # Non-trivial norms and gate biases, so a swapped or missing term shows.
+  rng = np.random.default_rng(0)
+  for _, var in nnx.iter_graph(model):
+    if isinstance(var, nnx.Param) and var[...].ndim == 1:
+      var[...] = jnp.asarray(rng.normal(size=var[...].shape), jnp.float32)
+  rows = [np.array([3, 4, 5], np.int32), np.array([7, 1, 2, 9, 10, 11], np.int32), np.array([6], np.int32)]
+  values = np.concatenate(rows + [np.zeros(6, np.int32)])
+  offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int32)
+  got = np.asarray(model.encode(Jagged(values, offsets)))
+  for r, start in zip(rows, offsets):
+    np.testing.assert_allclose(got[start:start + len(r)], _dense_row(model, r, heads=2), rtol=2e-4, atol=2e-5)
+  dropped = np.asarray(model.encode(Jagged(values, offsets), dropout_rng=jax.random.key(0)))
+  assert not np.allclose(dropped[:offsets[-1]], got[:offsets[-1]])
+
+
+def test_tower_settings_are_checked():
+  with pytest.raises(ValueError, match="arch must be one of"):
+    SeqRecModelConfig(arch="bert4rec")
+  with pytest.raises(ValueError, match="ffn_multiplier must be >= 1"):
+    SeqRecModelConfig(arch="sasrec", ffn_multiplier=0)
+  with pytest.raises(ValueError, match="heads do not divide the width 10"):
+    SeqRecModel(SeqRecModelConfig(dim=10, num_heads=3, arch="sasrec"), num_items=4, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="task.negatives: must be one of"):
+    NextItemConfig(negatives="in_batch")
+  no_bias = SeqRecModel(SeqRecModelConfig(dim=8, head_dim=4, value_dim=4, rel_bias=False), 5, rngs=nnx.Rngs(0))
+  assert all(layer.rel_bias_HxR is None for layer in no_bias.layers)
+
+
+# ---- per-token losses --------------------------------------------------------------------------------------
+def test_per_token_sampled_softmax_and_bce_match_numpy():
+  rng = np.random.default_rng(2)
+  T, D, I, K = 6, 4, 9, 5
+  user = rng.normal(size=(T, D)).astype(np.float32)
+  table = rng.normal(size=(I + 1, D)).astype(np.float32)
+  targets = np.array([1, 2, 3, 4, 0, 6], np.int32)
+  negatives = rng.integers(1, I + 1, (T, K)).astype(np.int32)
+  negatives[0, 2] = 1  # an accidental hit
+  zeros = np.zeros(T, np.float32)
+  got_ss = float(next_item.mean_loss(next_item.sampled_softmax_loss_sums, user, table, targets, negatives, 0.0,
+                                     zeros, 0.5))
+  got_bce = float(next_item.mean_loss(next_item.bce_loss_sums, user, table, targets, negatives, 0.0, zeros, 0.5))
+  softplus = lambda x: np.log1p(np.exp(x))
+  want_ss, want_bce = [], []
+  for t in (0, 1, 2, 3, 5):
+    pos = user[t] @ table[targets[t]] / 0.5
+    neg = [user[t] @ table[n] / 0.5 for n in negatives[t] if n != targets[t]]
+    want_ss.append(np.log(np.exp(pos) + np.sum(np.exp(neg))) - pos)
+    want_bce.append(softplus(-pos) + sum(softplus(x) for x in neg))
+  assert got_ss == pytest.approx(np.mean(want_ss), rel=1e-5)
+  assert got_bce == pytest.approx(np.mean(want_bce), rel=1e-5)
+
+
+def _toy_cfg(tmp_path, *sets):
+  return apply_overrides(configs.seqrec("ml-100k", quick=True), [
+      f"data.data_dir={toy_u_data(tmp_path)}", "data.batch_size=8", "data.uniform_negatives=6",
+      "data.batch_negatives=2", "data.token_multiple=64", *sets])
+
+
+@pytest.mark.parametrize("sets", [
+    ("model.arch=sasrec", "model.normalize=false", "task.temperature=1.0", "task.negatives=per_token",
+     "task.num_negatives=8"),
+    ("model.arch=esasrec", "model.ffn_multiplier=2", "task.loss=bce", "task.negatives=per_token",
+     "task.num_negatives=1", "task.temperature=1.0", "model.normalize=false"),
+    ("model.rel_bias=false", "model.embed_scale=false"),
+], ids=["sasrec-ss", "esasrec-bce", "hstu-no-bias"])
+def test_every_tower_and_loss_trains_through_the_spine(tmp_path, sets):
+  cfg = _toy_cfg(tmp_path, "model.dropout_rate=0.0", "train.learning_rate=0.01", *sets)
+  run = build(cfg)
+  batch = run.device_batch(run.source.first_batch())
+  state, losses = run.state, []
+  for _ in range(25):
+    state, m = run.train_step(state, batch)
+    losses.append(float(m["loss"]))
+  assert np.mean(losses[-5:]) < 0.7 * losses[0], losses  # per-token negatives: a new draw every step
+
+
+# ---- the protocol: test read once, after training -------------------------------------------------------
+def test_the_test_split_is_read_only_after_the_last_training_step(tmp_path, monkeypatch):
+  events = []
+  real_next, real_eval = seqrec_source._Epochs.__next__, seqrec_source.SeqRecSource.eval_batches
+
+  def train_next(self):
+    events.append("train")
+    return real_next(self)
+
+  def eval_batches(self, split):
+    events.append(split)
+    return real_eval(self, split)
+
+  monkeypatch.setattr(seqrec_source._Epochs, "__next__", train_next)
+  monkeypatch.setattr(seqrec_source.SeqRecSource, "eval_batches", eval_batches)
+  cfg = _toy_cfg(tmp_path, "train.epochs=6", "train.eval_every_epochs=2", "train.patience=0")
+  summary = jobs.train_config(cfg, str(tmp_path / "run"), progress=False, report=False)
+  first_test = events.index("test")
+  assert "train" in events[:first_test] and "train" not in events[first_test:], events
+  assert events[:first_test].count("valid") >= 3, events  # the periodic evaluations read validation only
+  assert set(summary["test"]) == cfg.task.metric_names()
+  logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert not any(key.startswith("test/") for row in logged for key in row)
+
+
+# ---- seeds --------------------------------------------------------------------------------------------------
+def test_seed_summary_is_the_mean_and_sample_std_of_the_runs():
+  runs = [{"seed": s, "valid": {"HR@10": v, "NDCG@10": v / 2}, "test": {"HR@10": t, "NDCG@10": t / 4}}
+          for s, v, t in ((0, .1, .2), (1, .3, .4), (2, .2, .9))]
+  out = jobs.seed_summary(runs)
+  assert out["test"]["mean"]["hr@10"] == pytest.approx(0.5) and out["test"]["std"]["hr@10"] == pytest.approx(
+      np.std([.2, .4, .9], ddof=1))
+  assert out["valid"]["mean"]["ndcg@10"] == pytest.approx(0.1)
+  assert out["test"]["seeds"][1] == {"seed": 1, "hr@10": .4, "ndcg@10": .1}
+  assert jobs.seed_summary(runs[:1])["test"]["std"] == {"hr@10": 0.0, "ndcg@10": 0.0}
+
+
+@pytest.mark.slow
+def test_seeds_train_apart_and_a_finished_seed_is_read_not_retrained(tmp_path):
+  cfg = _toy_cfg(tmp_path, "train.epochs=2", "train.eval_every_epochs=1", "train.patience=0")
+  out = tmp_path / "seeds"
+  first = jobs.train_next_item_seeds(cfg, str(out), [0, 1], report=False, command="cmd", log=lambda s: None)
+  per_seed = [json.loads((out / f"seed-{s}" / "results.json").read_text()) for s in (0, 1)]
+  assert [r["config"]["train"]["seed"] for r in per_seed] == [0, 1]
+  assert [r["config"]["data"]["seed"] for r in per_seed] == [0, 1]
+  assert per_seed[0]["test"] != per_seed[1]["test"]
+  assert first["test"]["mean"]["ndcg@10"] == pytest.approx(np.mean([r["test"]["NDCG@10"] for r in per_seed]))
+  assert json.loads((out / "seeds.json").read_text())["command"] == "cmd"
+  lines = []
+  again = jobs.train_next_item_seeds(cfg, str(out), [0, 1], report=False, log=lines.append)
+  assert again["test"] == first["test"] and lines[:2] == [f"seed {s}: read {out}/seed-{s}/results.json" for s in (0, 1)]
