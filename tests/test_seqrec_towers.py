@@ -18,7 +18,7 @@ from gem_jax.model.seqrec import SeqRecModel, SeqRecModelConfig
 from gem_jax.run import next_item
 from gem_jax.run.build import build
 from gem_jax.run.next_item import NextItemConfig
-from gem_jax.train import jobs
+from gem_jax.train import jobs, seqrec_results
 from tests.data_helpers import toy_u_data
 
 
@@ -181,12 +181,12 @@ def test_the_test_split_is_read_only_after_the_last_training_step(tmp_path, monk
 def test_seed_summary_is_the_mean_and_sample_std_of_the_runs():
   runs = [{"seed": s, "valid": {"HR@10": v, "NDCG@10": v / 2}, "test": {"HR@10": t, "NDCG@10": t / 4}}
           for s, v, t in ((0, .1, .2), (1, .3, .4), (2, .2, .9))]
-  out = jobs.seed_summary(runs)
+  out = seqrec_results.seed_summary(runs)
   assert out["test"]["mean"]["hr@10"] == pytest.approx(0.5) and out["test"]["std"]["hr@10"] == pytest.approx(
       np.std([.2, .4, .9], ddof=1))
   assert out["valid"]["mean"]["ndcg@10"] == pytest.approx(0.1)
   assert out["test"]["seeds"][1] == {"seed": 1, "hr@10": .4, "ndcg@10": .1}
-  assert jobs.seed_summary(runs[:1])["test"]["std"] == {"hr@10": 0.0, "ndcg@10": 0.0}
+  assert seqrec_results.seed_summary(runs[:1])["test"]["std"] == {"hr@10": 0.0, "ndcg@10": 0.0}
 
 
 @pytest.mark.slow
@@ -203,3 +203,10 @@ def test_seeds_train_apart_and_a_finished_seed_is_read_not_retrained(tmp_path):
   lines = []
   again = jobs.train_next_item_seeds(cfg, str(out), [0, 1], report=False, log=lines.append)
   assert again["test"] == first["test"] and lines[:2] == [f"seed {s}: read {out}/seed-{s}/results.json" for s in (0, 1)]
+  rows = seqrec_results.ablation_rows([str(out / "seed-1")])
+  assert rows[0]["changes"]["train.seed"] == 1 and rows[0]["changes"]["data.batch_size"] == 8
+  assert "data.data_dir" not in rows[0]["changes"] and "model.arch" not in rows[0]["changes"]
+  assert rows[0]["valid"]["NDCG@10"] == per_seed[1]["valid"]["NDCG@10"] and rows[0]["epochs"] == 2
+  assert "| seed-1 | " in seqrec_results.markdown(rows)
+  with pytest.raises(FileNotFoundError, match="no results.json"):
+    seqrec_results.ablation_rows([str(tmp_path)])

@@ -98,23 +98,6 @@ def train_next_item(cfg, out_dir: str, *, resume: bool = False, report: bool = T
   return results
 
 
-SEED_METRICS = ("HR@10", "NDCG@10")
-
-
-def seed_summary(per_seed: list[dict], splits=("valid", "test"), metrics=SEED_METRICS) -> dict:
-  """Mean, sample standard deviation (ddof 1; 0 for one seed) and the per-seed values of `metrics` in each
-  split, from train_next_item results ({"seed", "valid": {...}, "test": {...}} each). Keys are lower case
-  ("hr@10"), as results/seqrec/*.json holds them."""
-  import numpy as np
-  out = {}
-  for split in splits:
-    rows = [{"seed": r["seed"], **{m.lower(): float(r[split][m]) for m in metrics}} for r in per_seed]
-    values = {m.lower(): np.array([row[m.lower()] for row in rows]) for m in metrics}
-    out[split] = {"mean": {m: float(v.mean()) for m, v in values.items()},
-                  "std": {m: float(v.std(ddof=1)) if v.size > 1 else 0.0 for m, v in values.items()},
-                  "seeds": rows}
-  return out
-
 
 def train_next_item_seeds(cfg, out_dir: str, seeds: list[int], *, resume: bool = False, report: bool = True,
                           command: str = "", log=print) -> dict:
@@ -126,6 +109,8 @@ def train_next_item_seeds(cfg, out_dir: str, seeds: list[int], *, resume: bool =
   import json
 
   import jax
+
+  from gem_jax.train import seqrec_results
 
   per_seed = []
   for seed in seeds:
@@ -141,7 +126,7 @@ def train_next_item_seeds(cfg, out_dir: str, seeds: list[int], *, resume: bool =
       results = train_next_item(seeded, run_dir, resume=resume, report=report, log=log)
     per_seed.append({"seed": seed, "valid": results["valid"], "test": results["test"], "dir": run_dir,
                      "best_step": results["best_step"], "wall_s": results["wall_s"]["total"]})
-  summary = {**seed_summary(per_seed), "command": command, "config": cfg.name,
+  summary = {**seqrec_results.seed_summary(per_seed), "command": command, "config": cfg.name,
              "runs": [{k: r[k] for k in ("seed", "dir", "best_step", "wall_s")} for r in per_seed]}
   if jax.process_index() == 0:
     with open(os.path.join(out_dir, "seeds.json"), "w") as f:

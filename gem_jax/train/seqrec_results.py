@@ -1,0 +1,91 @@
+"""Summaries of next-item runs (experiments/seqrec.py's results.json files): the mean and spread over seeds,
+and an ablation table that says what each run changed against its dataset's preset.
+
+  seed_summary(per_seed)        mean, sample std and per-seed HR@10 / NDCG@10 of validation and test
+  ablation_rows(run_dirs)       one row per run folder: the config fields that differ from the preset, the
+                                kept evaluation's validation metrics, epochs and wall time
+  markdown(rows)                the rows as a README table
+
+Ablations are compared on validation only (the test split of each run is read once, at its end); a row
+carries its test metrics so that the chosen run's can be reported, not to choose by.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+SEED_METRICS = ("HR@10", "NDCG@10")
+
+
+def seed_summary(per_seed: list[dict], splits=("valid", "test"), metrics=SEED_METRICS) -> dict:
+  """Mean, sample standard deviation (ddof 1; 0 for one seed) and the per-seed values of `metrics` in each
+  split, from train_next_item results ({"seed", "valid": {...}, "test": {...}} each). Keys are lower case
+  ("hr@10"), as results/seqrec/*.json holds them."""
+  out = {}
+  for split in splits:
+    rows = [{"seed": r["seed"], **{m.lower(): float(r[split][m]) for m in metrics}} for r in per_seed]
+    values = {m.lower(): np.array([row[m.lower()] for row in rows]) for m in metrics}
+    out[split] = {"mean": {m: float(v.mean()) for m, v in values.items()},
+                  "std": {m: float(v.std(ddof=1)) if v.size > 1 else 0.0 for m, v in values.items()},
+                  "seeds": rows}
+  return out
+
+
+def _flat(tree, prefix=""):
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+IGNORED = ("name", "data.data_dir", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints")
+
+
+def changes(config: dict, preset: dict) -> dict:
+  """The fields of a run's config (dataclasses.asdict form) that differ from its preset, as "section.field":
+  value; paths and logging cadences are left out."""
+  flat, base = _flat(config), _flat(preset)
+  as_list = lambda v: list(v) if isinstance(v, tuple) else v
+  return {k: v for k, v in flat.items()
+          if k not in IGNORED and (k not in base or as_list(base[k]) != as_list(v))}
+
+
+def ablation_rows(run_dirs: list[str], metrics=SEED_METRICS) -> list[dict]:
+  """One row per run folder holding results.json (a folder without one, an unfinished run, raises)."""
+  from gem_jax import configs
+  rows = []
+  for run_dir in run_dirs:
+    path = os.path.join(run_dir, "results.json")
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"{path}: no results.json (is the run finished?)")
+    with open(path) as f:
+      res = json.load(f)
+    dataset = res["config"]["data"]["dataset"]
+    preset = json.loads(json.dumps(dataclasses.asdict(configs.seqrec(dataset)), default=str))
+    per_epoch = res["steps"] / max(res["history"][-1].get("epoch", 1), 1) if res["history"] else None
+    kept_epoch = round(res["best_step"] / per_epoch) if per_epoch and res["best_step"] else None
+    rows.append({"run": os.path.basename(os.path.normpath(run_dir)), "dataset": dataset,
+                 "changes": changes(res["config"], preset),
+                 "valid": {m: res["valid"][m] for m in metrics}, "test": {m: res["test"][m] for m in metrics},
+                 "epochs": res["history"][-1].get("epoch") if res["history"] else None, "kept_epoch": kept_epoch,
+                 "stop_reason": res["stop_reason"], "wall_s": round(res["wall_s"]["total"])})
+  return rows
+
+
+def markdown(rows: list[dict], metrics=SEED_METRICS) -> str:
+  """Validation metrics only: the columns ablations are chosen by."""
+  head = "| run | changes against the preset | " + " | ".join(f"valid {m}" for m in metrics) + \
+      " | epochs (kept) | wall s |"
+  lines = [head, "|" + "---|" * (head.count("|") - 1)]
+  for r in rows:
+    change = ", ".join(f"{k}={v}" for k, v in r["changes"].items()) or "(the preset)"
+    lines.append(f"| {r['run']} | {change} | " + " | ".join(f"{r['valid'][m]:.4f}" for m in metrics) +
+                 f" | {r['epochs']} ({r['kept_epoch']}) | {r['wall_s']} |")
+  return "\n".join(lines)
