@@ -102,6 +102,11 @@ def test_tower_settings_are_checked():
     NextItemConfig(negatives="in_batch")
   no_bias = SeqRecModel(SeqRecModelConfig(dim=8, head_dim=4, value_dim=4, rel_bias=False), 5, rngs=nnx.Rngs(0))
   assert all(layer.rel_bias_HxR is None for layer in no_bias.layers)
+  assert no_bias.layers[0].qk_scale == pytest.approx(0.5)   # 1 / sqrt(head_dim 4)
+  raw = SeqRecModel(SeqRecModelConfig(dim=8, head_dim=4, value_dim=4, qk_scale=1.0), 5, rngs=nnx.Rngs(0))
+  assert raw.layers[0].qk_scale == 1.0
+  with pytest.raises(ValueError, match="qk_scale must be >= 0"):
+    SeqRecModelConfig(qk_scale=-1.0).hstu_model_config()
 
 
 # ---- per-token losses --------------------------------------------------------------------------------------

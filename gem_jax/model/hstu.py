@@ -45,6 +45,7 @@ class HSTULayer(nnx.Module):
     h = cfg.hstu
     self.num_heads, self.head_dim, self.value_dim = h.num_heads, h.head_dim, h.value_dim
     self.max_seq_len = max_seq_len
+    self.qk_scale = h.qk_scale or h.head_dim ** -0.5
     self.num_contextual = h.num_contextual
     self.attn_impl = h.attn_impl
     tiles = h.tiles()
@@ -73,7 +74,7 @@ class HSTULayer(nnx.Module):
     cap = x.capacity
     u_TxHxDv, v_TxHxDv, q_TxHxDh, k_TxHxDh = self._project(values_TxD)
     attn_TxHxDv = ops.hstu_attention(
-        q_TxHxDh, k_TxHxDh, v_TxHxDv, x.offsets, max_seq_len=self.max_seq_len, alpha=self.head_dim ** -0.5,
+        q_TxHxDh, k_TxHxDh, v_TxHxDv, x.offsets, max_seq_len=self.max_seq_len, alpha=self.qk_scale,
         causal=True, num_targets=num_targets_B, contextual_seq_len=self.num_contextual,
         rel_bias_HxR=self._rel_bias(), impl=self.attn_impl, tiles=self.attn_tiles)
     return x.replace_values(values_TxD + self._output(attn_TxHxDv, u_TxHxDv, dropout_rng))
@@ -112,7 +113,7 @@ class HSTULayer(nnx.Module):
     u_SxHxDv, v_SxHxDv, q_SxHxDh, k_SxHxDh = self._project(local_SxD)
     attn_SxHxDv = ops.hstu_attention_query_block(
         q_SxHxDh, cp.all_gather(k_SxHxDh), cp.all_gather(v_SxHxDv), x.offsets, start,
-        max_seq_len=self.max_seq_len, alpha=self.head_dim ** -0.5, causal=True, num_targets=num_targets_B,
+        max_seq_len=self.max_seq_len, alpha=self.qk_scale, causal=True, num_targets=num_targets_B,
         contextual_seq_len=self.num_contextual, rel_bias_HxR=self._rel_bias())
     if dropout_rng is not None:  # each slice draws its own mask
       dropout_rng = jax.random.fold_in(dropout_rng, cp.index())
