@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from gem_jax import ops
 from gem_jax.data.batch import Batch
 from gem_jax.data.spec import ads_feature_spec
 from gem_jax.jagged import Jagged, concat_rows, dense_to_jagged
@@ -316,3 +317,31 @@ def test_no_relative_bias_has_no_parameter_and_equals_a_zero_bias():
   assert not np.allclose(np.asarray(with_bias(x).values[:17]), np.asarray(b))
   with pytest.raises(ValueError, match="rel_pos_buckets must be an integer >= 0"):
     HSTUConfig(rel_pos_buckets=-1)
+
+
+def test_stu_layer_form_is_generative_recommenders_production_layer():
+  """layer_form="stu": SiLU on u only, and an output projection without bias over [u, attn, LN(attn) * u]
+  of each head; computed here step by step from the layer's parameters with the reference attention."""
+  cfg = dataclasses.replace(CFG, hstu=dataclasses.replace(CFG.hstu, layer_form="stu", rel_pos_buckets=8))
+  layer = HSTULayer(cfg, 12, site="l", rngs=nnx.Rngs(0))
+  layer.rel_bias_HxR[...] = jax.random.normal(jax.random.key(2), (2, 8))
+  h, dh, dv = cfg.hstu.num_heads, cfg.hstu.head_dim, cfg.hstu.value_dim
+  assert layer.out.bias is None and layer.out.kernel.shape == (3 * h * dv, cfg.model_dim)
+  x = dense_to_jagged(jax.random.normal(jax.random.key(1), (3, 12, 16)), capacity=40)
+  x = Jagged(x.values, jnp.array([0, 5, 5, 17], jnp.int32))
+
+  def ln(v, norm):
+    mean = v.mean(-1, keepdims=True)
+    var = ((v - mean) ** 2).mean(-1, keepdims=True)
+    return (v - mean) * jax.lax.rsqrt(var + 1e-5) * norm.scale[...][None] + norm.bias[...][None]
+
+  t = x.values.shape[0]
+  uvqk = (ln(x.values, layer.norm_in) @ layer.uvqk.kernel[...] + layer.uvqk.bias[...][None]).reshape(t, h, -1)
+  u, v, q, k = jnp.split(uvqk, [dv, 2 * dv, 2 * dv + dh], axis=-1)
+  attn = ops.hstu_attention(q, k, v, x.offsets, max_seq_len=12, alpha=dh ** -0.5, causal=True, contextual_seq_len=1,
+                            rel_bias_HxR=layer.rel_bias_HxR[...], impl="reference")
+  gated = ln(attn.reshape(t, h * dv), layer.norm_attn).reshape(t, h, dv) * jax.nn.silu(u)
+  y = jnp.concatenate([jax.nn.silu(u), attn, gated], axis=-1).reshape(t, -1) @ layer.out.kernel[...]
+  np.testing.assert_allclose(np.asarray(layer(x).values[:17]), np.asarray((x.values + y)[:17]), rtol=1e-4, atol=1e-5)
+  with pytest.raises(ValueError, match="layer_form must be 'research' or 'stu'"):
+    HSTUConfig(layer_form="sasrec")

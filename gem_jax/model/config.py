@@ -46,6 +46,7 @@ class HSTUConfig:
   rel_pos_buckets: int = 32   # log-spaced relative-position buckets of the attention bias; 0: no bias
   attn_impl: str = "auto"     # gem_jax.ops.hstu_attention impl
   dropout_rate: float = 0.0   # on the gated attention output before the output projection (training only)
+  layer_form: str = "research"  # or "stu" (gem_jax/model/hstu.py)
   qk_scale: float = 0.0       # multiplies q.k before the bias and SiLU; 0: 1 / sqrt(head_dim) (HSTU's research
                               # code uses 1)
   # The xla impl's tiles: "default" (pallas_kernels/hstu_attention/tiled.py DEFAULT_TILES), "auto" (timed per
@@ -60,6 +61,8 @@ class HSTUConfig:
       raise ValueError(f"model.hstu.keep_last must be a tuple of integers >= 1, got {self.keep_last!r}")
     if not isinstance(self.dropout_rate, numbers.Real) or not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"model.hstu.dropout_rate must be in [0, 1), got {self.dropout_rate!r}")
+    if self.layer_form not in ("research", "stu"):
+      raise ValueError(f"model.hstu.layer_form must be 'research' or 'stu', got {self.layer_form!r}")
     if not isinstance(self.qk_scale, numbers.Real) or self.qk_scale < 0:
       raise ValueError(f"model.hstu.qk_scale must be >= 0 (0: 1 / sqrt(head_dim)), got {self.qk_scale!r}")
     if self.attn_tiles not in ("default", "auto") and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", str(self.attn_tiles)):

@@ -3,6 +3,10 @@
   x -> LayerNorm -> Linear to (u, v, q, k) -> SiLU -> HSTU attention (SiLU, no softmax, / max_seq_len)
     -> LayerNorm(attn) * u -> dropout -> Linear -> + x
 
+That is the form of HSTU's research code (layer_form "research", the default). layer_form "stu" is
+generative-recommenders' production STU layer: SiLU on u only (q, k, v stay linear), and the output
+projection, without bias, reads the concatenation [u, attn, LayerNorm(attn) * u].
+
 Dropout (cfg.hstu.dropout_rate, HSTU's "linear dropout") applies only when the caller passes a
 `dropout_rng`; without one the layer is deterministic (evaluation, and every GEM step today).
 
@@ -51,13 +55,17 @@ class HSTULayer(nnx.Module):
     tiles = h.tiles()
     self.attn_tiles = ops.TileConfig(*tiles) if isinstance(tiles, tuple) else tiles
     self.dropout_rate = h.dropout_rate
+    self.stu = h.layer_form == "stu"
     d, hdv = cfg.model_dim, h.num_heads * h.value_dim
     self.norm_in = LayerNorm(d, cfg, rngs=rngs)
     self.uvqk = Dense(d, 2 * hdv + 2 * h.num_heads * h.head_dim, ("embed", "mlp"), cfg, site=f"{site}.uvqk",
                       rngs=rngs)
     # Normalizes across heads; under tensor parallelism its statistics are summed over the head slices.
     self.norm_attn = LayerNorm(hdv, cfg, rngs=rngs, tensor_parallel=True)
-    self.out = Dense(hdv, d, ("mlp", "embed"), cfg, site=f"{site}.out", rngs=rngs)
+    # "stu": the output projection reads [u, attn, u * LN(attn)] per head (head-major, so a tensor-parallel
+    # slice of its rows is still a whole number of heads) and has no bias.
+    self.out = Dense(3 * hdv if self.stu else hdv, d, ("mlp", "embed"), cfg, site=f"{site}.out", rngs=rngs,
+                     use_bias=not self.stu)
     # Zero init: the layer starts position-agnostic and learns how much recency matters. With no buckets
     # (rel_pos_buckets=0) the layer has no bias at all, and the attention adds none.
     self.rel_bias_HxR = nnx.Param(
@@ -86,7 +94,9 @@ class HSTULayer(nnx.Module):
     """-> (u, v, q, k), T x H x (Dv | Dh), H the heads this device holds."""
     dh, dv = self.head_dim, self.value_dim
     cap = values_TxD.shape[0]
-    uvqk_TxP = jax.nn.silu(self.uvqk(self.norm_in(values_TxD)))
+    uvqk_TxP = self.uvqk(self.norm_in(values_TxD))
+    if not self.stu:
+      uvqk_TxP = jax.nn.silu(uvqk_TxP)
     # Head-major columns ([u v q k] of head 0, then head 1, ...), so a tensor-parallel slice of the
     # columns is a whole number of heads; hh is the number of heads this device holds.
     if uvqk_TxP.shape[-1] % (2 * dv + 2 * dh):
@@ -94,11 +104,15 @@ class HSTULayer(nnx.Module):
                        f"of heads ({2 * dv + 2 * dh} each): num_heads={self.num_heads} must divide over the "
                        "mesh's tensor axis")
     hh = uvqk_TxP.shape[-1] // (2 * dv + 2 * dh)
-    return tuple(jnp.split(uvqk_TxP.reshape(cap, hh, 2 * dv + 2 * dh), [dv, 2 * dv, 2 * dv + dh], axis=-1))
+    u, v, q, k = jnp.split(uvqk_TxP.reshape(cap, hh, 2 * dv + 2 * dh), [dv, 2 * dv, 2 * dv + dh], axis=-1)
+    return (jax.nn.silu(u), v, q, k) if self.stu else (u, v, q, k)
 
   def _output(self, attn_TxHxDv, u_TxHxDv, dropout_rng=None):
     cap, hh, dv = attn_TxHxDv.shape
     gated_TxHDv = self.norm_attn(attn_TxHxDv.reshape(cap, hh * dv)) * u_TxHxDv.reshape(cap, hh * dv)
+    if self.stu:
+      parts = (u_TxHxDv, attn_TxHxDv.astype(gated_TxHDv.dtype), gated_TxHDv.reshape(cap, hh, dv))
+      gated_TxHDv = jnp.concatenate(parts, axis=-1).reshape(cap, hh * 3 * dv)
     return self.out(layers.dropout(gated_TxHDv, self.dropout_rate, dropout_rng))
 
   def _context_parallel(self, x: Jagged, num_targets_B, cp, dropout_rng=None) -> Jagged:

@@ -50,6 +50,7 @@ class SeqRecModelConfig:
   normalize: bool = True      # L2-normalize user and item embeddings (False: raw dot products, as SASRec)
   embed_scale: bool = True    # multiply item embeddings by sqrt(dim) at the input
   rel_bias: bool = True       # hstu: the relative-position attention bias
+  layer_form: str = "research"  # hstu: "research" or "stu" (gem_jax/model/hstu.py)
   qk_scale: float = 0.0       # hstu: the scale of q.k before the SiLU; 0: 1 / sqrt(head_dim)
 
   def __post_init__(self):
@@ -68,7 +69,7 @@ class SeqRecModelConfig:
     hstu = HSTUConfig(num_heads=self.num_heads, head_dim=self.head_dim, value_dim=self.value_dim,
                       keep_last=(self.max_len,) * self.num_layers, num_contextual=0,
                       rel_pos_buckets=2 * self.max_len if self.rel_bias else 0, attn_impl=self.attn_impl, dropout_rate=self.dropout_rate,
-                      qk_scale=self.qk_scale)
+                      qk_scale=self.qk_scale, layer_form=self.layer_form)
     return ModelConfig(model_dim=self.dim, num_layers=self.num_layers, hstu=hstu)
 
 
