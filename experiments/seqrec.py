@@ -37,6 +37,9 @@ def main(argv=None) -> int:
   p.add_argument("--no-report", action="store_true", help="skip the efficiency report")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="override a config field, e.g. --set train.epochs=20 --set model.dim=64 (repeatable)")
+  p.add_argument("--evaluate", default=None, metavar="RUN_DIR",
+                 help="no training: evaluate the kept (best/) parameters of a finished run under this command's "
+                      "config, e.g. --set data.exclude_history=false, and print the metrics as JSON")
   p.add_argument("--seeds", type=int, default=0, help="train seeds 0..N-1, one folder each, and summarize them")
   p.add_argument("--results", default=None, help="with --seeds: also write the seed summary to this JSON file")
   args = p.parse_args(argv)
@@ -50,6 +53,10 @@ def main(argv=None) -> int:
   sets = list(args.set) + ([f"data.data_dir={os.path.normpath(args.data_dir)}"] if args.data_dir else []) + \
       ([f"mesh={args.mesh}"] if args.mesh else [])
   cfg = apply_overrides(configs.seqrec(args.dataset, quick=args.quick), sets)
+  if args.evaluate:
+    result = jobs.evaluate_checkpoint(cfg, args.evaluate, folder="best")
+    print(json.dumps({"run": args.evaluate, "step": result["step"], **result["evaluation"]}, indent=1))
+    return 0
   out = args.out or f"runs/seqrec-{args.dataset}"
   if not args.seeds:
     jobs.train_next_item(cfg, out, resume=args.resume, report=not args.no_report)

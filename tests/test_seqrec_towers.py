@@ -208,6 +208,13 @@ def test_seeds_train_apart_and_a_finished_seed_is_read_not_retrained(tmp_path):
   lines = []
   again = jobs.train_next_item_seeds(cfg, str(out), [0, 1], report=False, log=lines.append)
   assert again["test"] == first["test"] and lines[:2] == [f"seed {s}: read {out}/seed-{s}/results.json" for s in (0, 1)]
+  # The kept parameters (best/) evaluate to the run's own numbers; without history exclusion, to others.
+  seeded = apply_overrides(cfg, ["train.seed=1", "data.seed=1"])
+  kept = jobs.evaluate_checkpoint(seeded, str(out / "seed-1"), folder="best")
+  assert kept["step"] == per_seed[1]["best_step"] and kept["evaluation"]["test"] == per_seed[1]["test"]
+  unfiltered = jobs.evaluate_checkpoint(apply_overrides(seeded, ["data.exclude_history=false"]), str(out / "seed-1"),
+                                        folder="best")
+  assert unfiltered["evaluation"]["test"] != per_seed[1]["test"]
   rows = seqrec_results.ablation_rows([str(out / "seed-1")])
   assert rows[0]["changes"]["train.seed"] == 1 and rows[0]["changes"]["data.batch_size"] == 8
   assert "data.data_dir" not in rows[0]["changes"] and "model.arch" not in rows[0]["changes"]
@@ -215,3 +222,14 @@ def test_seeds_train_apart_and_a_finished_seed_is_read_not_retrained(tmp_path):
   assert "| seed-1 | " in seqrec_results.markdown(rows)
   with pytest.raises(FileNotFoundError, match="no results.json"):
     seqrec_results.ablation_rows([str(tmp_path)])
+
+
+def test_history_exclusion_can_be_switched_off_to_measure_it(tmp_path):
+  on = seqrec_source.SeqRecSource(_toy_cfg(tmp_path))
+  off = seqrec_source.SeqRecSource(_toy_cfg(tmp_path, "data.exclude_history=false"))
+  for split in ("valid", "test"):
+    for a, b in zip(on.eval_batches(split), off.eval_batches(split)):
+      real = np.asarray(a.row_mask_B) > 0
+      assert np.all(np.asarray(b.exclude_BxI)[:, 0]) and not np.asarray(b.exclude_BxI)[:, 1:].any()
+      assert np.all(np.asarray(a.exclude_BxI)[real, 1:].sum(axis=1) >= 1)  # every real row has a history
+  assert off.popularity_baseline("test", (10,))["HR@10"] <= on.popularity_baseline("test", (10,))["HR@10"]

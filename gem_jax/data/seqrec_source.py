@@ -11,7 +11,8 @@ the seed alone; its state (epoch, batch, generator states) resumes at the exact 
 
 Evaluation ("valid", "test"): every user once, the input the most recent max_len items before the target;
 each batch carries its rows' targets and a mask of every item of each row's whole history (excluded from
-the ranking; column 0, the padding id, too).
+the ranking; column 0, the padding id, too). exclude_history=False masks only column 0, to measure what the
+exclusion is worth.
 
 Letters: B rows, T token capacity, K negatives, I items (+1: id 0 is padding). This module never drops a
 user silently: a user without a training pair is skipped by the protocol (said in its docstring), a row
@@ -47,6 +48,7 @@ class SeqRecDataConfig:
   uniform_negatives: int = 512
   batch_negatives: int = 512
   seed: int = 0
+  exclude_history: bool = True      # rank every item but the row's history (the protocol); False: every item
 
   def __post_init__(self):
     if self.dataset not in data.DATASETS:
@@ -192,7 +194,8 @@ class SeqRecSource:
         check_rows(batch, c.max_len)
         users, real = batch.row_user_B, batch.row_user_B >= 0
         targets = np.where(real, s.targets[np.maximum(users, 0)], 0).astype(np.int32)
-        out.append(NextItemEvalBatch(batch.items, targets, exclusion_mask(s.prefixes, users, self.num_items),
+        excluded = users if c.exclude_history else np.full_like(users, -1)  # -1: only the padding column
+        out.append(NextItemEvalBatch(batch.items, targets, exclusion_mask(s.prefixes, excluded, self.num_items),
                                      real.astype(np.float32)))
       self._eval[split] = out
     return self._eval[split]
@@ -244,8 +247,9 @@ class SeqRecSource:
     ranks = []
     for start in range(0, len(s.prefixes), 512):
       users = np.arange(start, min(start + 512, len(s.prefixes)))
+      excluded = users if self.config.exclude_history else np.full_like(users, -1)
       r = metrics.full_ranking_ranks(np.broadcast_to(scores, (users.size, self.num_items + 1)), s.targets[users],
-                                     exclusion_mask(s.prefixes, users, self.num_items))
+                                     exclusion_mask(s.prefixes, excluded, self.num_items))
       ranks.append(np.asarray(r))
     return metrics.hit_rate_ndcg(np.concatenate(ranks), ks)
 

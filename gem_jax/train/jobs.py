@@ -47,20 +47,24 @@ def train_config(cfg, out_dir: str, *, resume: bool = False, progress: bool = Tr
                        stop_after=stop_after, on_event=on_event)
 
 
-def evaluate_checkpoint(cfg, out_dir: str, step: int | None = None, devices=None) -> dict:
+def evaluate_checkpoint(cfg, out_dir: str, step: int | None = None, devices=None,
+                        folder: str = "checkpoints") -> dict:
   """Evaluates checkpoint `step` (default: the newest usable) of the run in out_dir on cfg's mesh, which
   need not be the mesh that wrote it: the checkpoint is resharded on restore. devices: the mesh's devices
-  (default: build's).
+  (default: build's). folder: "checkpoints", or "best" for the parameters model selection kept.
 
   -> {"step", "mesh", "devices", "evaluation": {split: metrics}, "state_fingerprint"}; the fingerprint
   (hex of the train state's integrity hashes) is the same on every mesh when the restore is bit-exact.
   """
   run = build(cfg, devices=devices)
-  with Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.train.keep_checkpoints,
+  target = run.restore_target()
+  with Checkpointer(os.path.join(out_dir, folder), keep=cfg.train.keep_checkpoints,
                     save_every=cfg.train.checkpoint_every) as ckpt:
-    step, state, _ = ckpt.restore(step, abstract_state=run.restore_target())  # host tables whole: evaluate reads them so
+    # host tables whole: evaluate reads them so; best/ holds the parameters alone (gem_jax/train/hooks.py)
+    step, state, _ = ckpt.restore(step, abstract_state=target if folder == "checkpoints" else target.params)
     fallbacks = [fb.as_dict() for fb in ckpt.fallbacks]
-  evaluation = {split: trainer.evaluate(run, state.params, split) for split in run.source.eval_splits}
+  params = state.params if folder == "checkpoints" else state
+  evaluation = {split: trainer.evaluate(run, params, split) for split in run.source.eval_splits}
   return {"step": step, "mesh": run.mesh_spec.name, "devices": run.mesh_spec.num_devices,
           "evaluation": trainer.jsonable_summary(evaluation),
           "state_fingerprint": hashlib.sha256(fingerprint(state).tobytes()).hexdigest()[:16],
