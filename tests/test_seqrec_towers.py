@@ -2,6 +2,7 @@
 per-token sampled softmax and BCE against numpy, every tower training through the spine, the test split read
 only after training, and the seed summary of experiments/seqrec.py --seeds."""
 
+import dataclasses
 import json
 
 import jax
@@ -89,6 +90,13 @@ def test_softmax_blocks_match_a_dense_computation_row_by_row(arch, normalize):
     np.testing.assert_allclose(got[start:start + len(r)], _dense_row(model, r, heads=2), rtol=2e-4, atol=2e-5)
   dropped = np.asarray(model.encode(Jagged(values, offsets), dropout_rng=jax.random.key(0)))
   assert not np.allclose(dropped[:offsets[-1]], got[:offsets[-1]])
+  # The output table: dropout only with table_dropout and a key.
+  table = np.asarray(model.item_table())
+  np.testing.assert_array_equal(np.asarray(model.item_table(jax.random.key(0))), table)
+  model.cfg = dataclasses.replace(cfg, table_dropout=True)
+  np.testing.assert_array_equal(np.asarray(model.item_table()), table)
+  zeroed = np.asarray(model.item_table(jax.random.key(0))) == 0
+  assert 0.1 < zeroed.mean() < 0.5
 
 
 def test_tower_settings_are_checked():

@@ -33,6 +33,7 @@ from gem_jax.model import sasrec
 from gem_jax.model.layers import LayerNorm, dropout
 
 L2_EPS = 1e-6
+TABLE_STREAM = 0x746162  # fold_in constant: the output table's dropout key, apart from the encoder's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,7 @@ class SeqRecModelConfig:
   embed_scale: bool = True    # multiply item embeddings by sqrt(dim) at the input
   rel_bias: bool = True       # hstu: the relative-position attention bias
   layer_form: str = "research"  # hstu: "research" or "stu" (gem_jax/model/hstu.py)
+  table_dropout: bool = False  # training: dropout (dropout_rate) on the output item table too, as RecTools does
   qk_scale: float = 0.0       # hstu: the scale of q.k before the SiLU; 0: 1 / sqrt(head_dim)
 
   def __post_init__(self):
@@ -124,8 +126,10 @@ class SeqRecModel(nnx.Module):
     user_TxD = x.values if self.final_norm is None else self.final_norm(x.values)
     return l2_normalize(user_TxD) if self.cfg.normalize else user_TxD.astype(jnp.float32)
 
-  def item_table(self):
+  def item_table(self, dropout_rng=None):
     """Output embeddings of every item, (I + 1) x D (unit rows when normalize); row 0 (padding) is not a
-    candidate."""
+    candidate. With table_dropout and a key (training), dropout on the table first."""
     table_IxD = self.item_emb_IxD[...]
+    if self.cfg.table_dropout and dropout_rng is not None:
+      table_IxD = dropout(table_IxD, self.cfg.dropout_rate, jax.random.fold_in(dropout_rng, TABLE_STREAM))
     return l2_normalize(table_IxD) if self.cfg.normalize else table_IxD.astype(jnp.float32)
