@@ -55,7 +55,8 @@ def _dense_row(model, ids, heads):
   """One row through the model in numpy, straight from the formulas of gem_jax/model/sasrec.py."""
   cfg = model.cfg
   x = np.asarray(model.item_emb_IxD[...])[ids] * (cfg.dim ** 0.5 if cfg.embed_scale else 1.0)
-  x = x + np.asarray(model.pos_emb_NxD[...])[:len(ids)]
+  pos = np.arange(len(ids))
+  x = x + np.asarray(model.pos_emb_NxD[...])[pos[::-1] if cfg.positions == "from_end" else pos]
   for b in model.layers:
     if cfg.arch == "sasrec":
       q = _ln(x, b.norm_attn)
@@ -72,10 +73,10 @@ def _dense_row(model, ids, heads):
   return x / np.linalg.norm(x, axis=-1, keepdims=True) if cfg.normalize else x
 
 
-@pytest.mark.parametrize("arch,normalize", [("sasrec", False), ("esasrec", True)])
-def test_softmax_blocks_match_a_dense_computation_row_by_row(arch, normalize):
+@pytest.mark.parametrize("arch,normalize,positions", [("sasrec", False, "from_end"), ("esasrec", True, "from_start")])
+def test_softmax_blocks_match_a_dense_computation_row_by_row(arch, normalize, positions):
   cfg = SeqRecModelConfig(dim=8, num_layers=2, num_heads=2, max_len=6, dropout_rate=0.3, attn_impl="xla", arch=arch,
-                          ffn_multiplier=2, normalize=normalize, embed_scale=False)
+                          ffn_multiplier=2, normalize=normalize, embed_scale=False, positions=positions)
   model = SeqRecModel(cfg, num_items=11, rngs=nnx.Rngs(3))
   # Non-trivial norms and gate biases, so a swapped or missing term shows.
   rng = np.random.default_rng(0)
@@ -102,6 +103,8 @@ def test_softmax_blocks_match_a_dense_computation_row_by_row(arch, normalize):
 def test_tower_settings_are_checked():
   with pytest.raises(ValueError, match="arch must be one of"):
     SeqRecModelConfig(arch="bert4rec")
+  with pytest.raises(ValueError, match="positions must be 'from_start' or 'from_end'"):
+    SeqRecModelConfig(positions="relative")
   with pytest.raises(ValueError, match="ffn_multiplier must be >= 1"):
     SeqRecModelConfig(arch="sasrec", ffn_multiplier=0)
   with pytest.raises(ValueError, match="heads do not divide the width 10"):

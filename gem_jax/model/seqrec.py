@@ -1,6 +1,7 @@
 """Next-item model over jagged item histories: a sequence tower with a shared item table.
 
-  tokens  = sqrt(D) * item_emb[item] + pos_emb[position]     (position inside the row, 0 = oldest kept item;
+  tokens  = sqrt(D) * item_emb[item] + pos_emb[position]     (position inside the row, 0 = oldest kept item,
+                                                             or 0 = newest with positions="from_end";
                                                              embed_scale=False drops the sqrt(D))
   -> dropout -> L x layer (jagged, causal)
   -> L2 normalize (normalize=True)                           = the user embedding after each token
@@ -52,12 +53,16 @@ class SeqRecModelConfig:
   embed_scale: bool = True    # multiply item embeddings by sqrt(dim) at the input
   rel_bias: bool = True       # hstu: the relative-position attention bias
   layer_form: str = "research"  # hstu: "research" or "stu" (gem_jax/model/hstu.py)
+  positions: str = "from_start"  # learned position of a token: counted from its row's oldest item, or
+                                 # "from_end" (the newest is 0, as RecTools' SASRec's inverse positions)
   table_dropout: bool = False  # training: dropout (dropout_rate) on the output item table too, as RecTools does
   qk_scale: float = 0.0       # hstu: the scale of q.k before the SiLU; 0: 1 / sqrt(head_dim)
 
   def __post_init__(self):
     if self.arch not in ("hstu",) + sasrec.ARCHS:
       raise ValueError(f"SeqRecModelConfig: arch must be one of {('hstu',) + sasrec.ARCHS}, got {self.arch!r}")
+    if self.positions not in ("from_start", "from_end"):
+      raise ValueError(f"SeqRecModelConfig: positions must be 'from_start' or 'from_end', got {self.positions!r}")
     if self.ffn_multiplier < 1:
       raise ValueError(f"SeqRecModelConfig: ffn_multiplier must be >= 1, got {self.ffn_multiplier}")
     if min(self.dim, self.num_layers, self.num_heads, self.head_dim, self.value_dim, self.max_len) < 1:
@@ -118,6 +123,9 @@ class SeqRecModel(nnx.Module):
       rngs = list(jax.random.split(dropout_rng, len(self.layers) + 1))
     ids_T = items.values
     pos_T = items.positions()  # padding slots read position 0; their outputs are never used
+    if self.cfg.positions == "from_end":
+      lengths_Bp1 = jnp.concatenate([jnp.asarray(items.lengths()), jnp.zeros(1, jnp.int32)])  # padding: segment B
+      pos_T = jnp.where(items.valid_mask(), lengths_Bp1[items.segment_ids()] - 1 - pos_T, 0)
     scale = self.cfg.dim ** 0.5 if self.cfg.embed_scale else 1.0
     x_TxD = scale * self.item_emb_IxD[...][ids_T] + self.pos_emb_NxD[...][pos_T]
     x = Jagged(dropout(x_TxD, self.cfg.dropout_rate, rngs[0]), items.offsets)
