@@ -7,6 +7,7 @@ item, history excluded) under the leave-one-out protocol (gem_jax/run/next_item.
   python experiments/seqrec.py --dataset ml-100k --quick --out runs/seqrec-quick   # CI-sized check
   python experiments/seqrec.py --dataset ml-1m --set train.epochs=20 --set model.num_layers=4
   python experiments/seqrec.py --dataset ml-100k --quick --out runs/seqrec-quick --resume
+  python experiments/seqrec.py --dataset beauty --tower sasrec-ss --out runs/seqrec-beauty-sasrec
   python experiments/seqrec.py --dataset beauty --seeds 3 --out runs/seqrec-beauty --results results/seqrec/beauty.json
 
 Datasets (--data-dir, default ../shared/data or $GEM_JAX_DATA_DIR; the files are never copied here):
@@ -32,6 +33,9 @@ def main(argv=None) -> int:
   p.add_argument("--data-dir", default=None, help="root holding ml-1m/, ml-100k/, amazon-s3rec/")
   p.add_argument("--out", default=None, help="run folder (default runs/seqrec-DATASET)")
   p.add_argument("--quick", action="store_true", help="small model, few epochs (ml-100k only; for tests)")
+  p.add_argument("--tower", default="hstu", choices=["hstu", "sasrec-ss", "sasrec-bce"],
+                 help="the sequence tower's recipe: gem-jax's HSTU, or SASRec with sampled softmax (eSASRec's "
+                      "SASRec+SS) or with BCE (the original SASRec) on the same code (gem_jax/configs.py)")
   p.add_argument("--mesh", default=None, help="mesh file (meshes/*.yaml); default: one device")
   p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
   p.add_argument("--no-report", action="store_true", help="skip the efficiency report")
@@ -52,7 +56,7 @@ def main(argv=None) -> int:
 
   sets = list(args.set) + ([f"data.data_dir={os.path.normpath(args.data_dir)}"] if args.data_dir else []) + \
       ([f"mesh={args.mesh}"] if args.mesh else [])
-  cfg = apply_overrides(configs.seqrec(args.dataset, quick=args.quick), sets)
+  cfg = apply_overrides(configs.seqrec(args.dataset, quick=args.quick, tower=args.tower), sets)
   if args.evaluate:
     result = jobs.evaluate_checkpoint(cfg, args.evaluate, folder="best")
     print(json.dumps({"run": args.evaluate, "step": result["step"], **result["evaluation"]}, indent=1))

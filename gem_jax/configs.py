@@ -170,7 +170,31 @@ def xl() -> Config:
 AMAZON = ("beauty", "sports", "toys")
 
 
-def seqrec(dataset: str, quick: bool = False) -> Config:
+TOWERS = ("hstu", "sasrec-ss", "sasrec-bce")
+
+
+def _sasrec_tower(cfg: Config, dataset: str, tower: str) -> Config:
+  """The SASRec comparison recipes on the same code (gem_jax/model/sasrec.py).
+
+  sasrec-ss   eSASRec's SASRec+SS (Tikhonovich et al., RecSys 2025; their repository blondered/
+              transformer_benchmark, README and configs/paper/loo): width 64, 1 block on Amazon and 2 on ML-1M,
+              1 head, dropout 0.2 (ML-1M 0.1), raw dot-product scores, learned positions counted from the
+              newest item, dropout on the output table too, sampled softmax over 256 uniform negatives drawn
+              per token, Adam lr 1e-3, betas (0.9, 0.98), batch 128
+  sasrec-bce  the same model trained as the original SASRec (Kang & McAuley 2018): binary cross-entropy
+              against one uniform negative per token, the setting of the SASRec rows of the TIGER table
+  """
+  ml = dataset.startswith("ml-")
+  model = dataclasses.replace(cfg.model, arch="sasrec", dim=64, num_layers=2 if ml else 1, num_heads=1,
+                              dropout_rate=0.1 if ml else 0.2, normalize=False, embed_scale=False,
+                              positions="from_end", table_dropout=True, ffn_multiplier=1)
+  negatives = 256 if tower == "sasrec-ss" else 1
+  task = dataclasses.replace(cfg.task, loss="sampled_softmax" if tower == "sasrec-ss" else "bce",
+                             negatives="per_token", num_negatives=negatives, temperature=1.0)
+  return dataclasses.replace(cfg, name=f"{cfg.name}_{tower.replace('-', '_')}", model=model, task=task)
+
+
+def seqrec(dataset: str, quick: bool = False, tower: str = "hstu") -> Config:
   """The next-item recipe of a public dataset: `python experiments/seqrec.py --dataset NAME` (2 CPU cores:
   ~67 min ML-1M, ~14 min Beauty; README, public benchmarks).
 
@@ -178,12 +202,17 @@ def seqrec(dataset: str, quick: bool = False) -> Config:
   output, 2 HSTU layers, 1 head, dropout 0.2, L2-normalized embeddings, temperature 0.05, AdamW (lr 1e-3,
   betas 0.9 / 0.98, no decay), batch 128 users, max length 200 (ML-1M) or 50 (Amazon, dropout 0.5), K = 10,
   50, 200 (Amazon adds 5, 20); validation every 5 epochs, the best NDCG@10 kept, stop after 4 without a
-  better one. ML-1M uses every item as a negative (full softmax: ~2x the step time of 1,024 shared sampled
+  better one. `tower`: "hstu", or a SASRec comparison recipe (_sasrec_tower) on the same data, training and
+  evaluation. ML-1M uses every item as a negative (full softmax: ~2x the step time of 1,024 shared sampled
   ones on CPU, better validation NDCG@10 at every epoch measured). `quick`: a few epochs of a small model on
   MovieLens-100K for tests (a learning check, not a result).
   """
   if dataset not in DATASETS:
     raise ValueError(f"unknown dataset {dataset!r}; known: {sorted(DATASETS)}")
+  if tower not in TOWERS:
+    raise ValueError(f"unknown tower {tower!r}; known: {TOWERS}")
+  if tower != "hstu":
+    return _sasrec_tower(seqrec(dataset, quick), dataset, tower)
   train = TrainConfig(steps=1, learning_rate=1e-3, warmup_steps=0, end_lr_fraction=1.0, weight_decay=0.0, b2=0.98,
                       grad_clip_norm=float("inf"), eval_every_epochs=5, select_metric="NDCG@10", patience=4,
                       checkpoint_every=1000, log_every=50, epochs=100)

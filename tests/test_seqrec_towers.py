@@ -109,6 +109,12 @@ def test_tower_settings_are_checked():
     SeqRecModelConfig(arch="sasrec", ffn_multiplier=0)
   with pytest.raises(ValueError, match="heads do not divide the width 10"):
     SeqRecModel(SeqRecModelConfig(dim=10, num_heads=3, arch="sasrec"), num_items=4, rngs=nnx.Rngs(0))
+  ss, bce = configs.seqrec("beauty", tower="sasrec-ss"), configs.seqrec("ml-1m", tower="sasrec-bce")
+  assert (ss.model.arch, ss.model.dim, ss.model.num_layers, ss.model.normalize) == ("sasrec", 64, 1, False)
+  assert (ss.task.loss, ss.task.negatives, ss.task.num_negatives) == ("sampled_softmax", "per_token", 256)
+  assert (bce.task.loss, bce.task.num_negatives, bce.model.num_layers, bce.model.max_len) == ("bce", 1, 2, 200)
+  with pytest.raises(ValueError, match="unknown tower 'bert4rec'"):
+    configs.seqrec("beauty", tower="bert4rec")
   with pytest.raises(ValueError, match="task.negatives: must be one of"):
     NextItemConfig(negatives="in_batch")
   no_bias = SeqRecModel(SeqRecModelConfig(dim=8, head_dim=4, value_dim=4, rel_bias=False), 5, rngs=nnx.Rngs(0))

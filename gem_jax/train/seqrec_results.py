@@ -2,7 +2,7 @@
 and an ablation table that says what each run changed against its dataset's preset.
 
   seed_summary(per_seed)        mean, sample std and per-seed HR@10 / NDCG@10 of validation and test
-  ablation_rows(run_dirs)       one row per run folder: the config fields that differ from the preset, the
+  ablation_rows(run_dirs)       one row per run folder: the config fields that differ from its tower's preset, the
                                 kept evaluation's validation metrics, epochs and wall time
   markdown(rows)                the rows as a README table
 
@@ -68,10 +68,12 @@ def ablation_rows(run_dirs: list[str], metrics=SEED_METRICS) -> list[dict]:
     with open(path) as f:
       res = json.load(f)
     dataset = res["config"]["data"]["dataset"]
-    preset = json.loads(json.dumps(dataclasses.asdict(configs.seqrec(dataset)), default=str))
+    towers = {configs.seqrec(dataset, tower=t).name: t for t in configs.TOWERS}
+    tower = towers.get(res["config"]["name"], "hstu")
+    preset = json.loads(json.dumps(dataclasses.asdict(configs.seqrec(dataset, tower=tower)), default=str))
     per_epoch = res["steps"] / max(res["history"][-1].get("epoch", 1), 1) if res["history"] else None
     kept_epoch = round(res["best_step"] / per_epoch) if per_epoch and res["best_step"] else None
-    rows.append({"run": os.path.basename(os.path.normpath(run_dir)), "dataset": dataset,
+    rows.append({"run": os.path.basename(os.path.normpath(run_dir)), "dataset": dataset, "tower": tower,
                  "changes": changes(res["config"], preset),
                  "valid": {m: res["valid"][m] for m in metrics}, "test": {m: res["test"][m] for m in metrics},
                  "epochs": res["history"][-1].get("epoch") if res["history"] else None, "kept_epoch": kept_epoch,
@@ -81,11 +83,11 @@ def ablation_rows(run_dirs: list[str], metrics=SEED_METRICS) -> list[dict]:
 
 def markdown(rows: list[dict], metrics=SEED_METRICS) -> str:
   """Validation metrics only: the columns ablations are chosen by."""
-  head = "| run | changes against the preset | " + " | ".join(f"valid {m}" for m in metrics) + \
+  head = "| run | tower | changes against its preset | " + " | ".join(f"valid {m}" for m in metrics) + \
       " | epochs (kept) | wall s |"
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
     change = ", ".join(f"{k}={v}" for k, v in r["changes"].items()) or "(the preset)"
-    lines.append(f"| {r['run']} | {change} | " + " | ".join(f"{r['valid'][m]:.4f}" for m in metrics) +
+    lines.append(f"| {r['run']} | {r['tower']} | {change} | " + " | ".join(f"{r['valid'][m]:.4f}" for m in metrics) +
                  f" | {r['epochs']} ({r['kept_epoch']}) | {r['wall_s']} |")
   return "\n".join(lines)
