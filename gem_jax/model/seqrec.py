@@ -75,8 +75,8 @@ class SeqRecModelConfig:
     bucket per distance: 2 * max_len buckets make the first max_len of them exact distances."""
     hstu = HSTUConfig(num_heads=self.num_heads, head_dim=self.head_dim, value_dim=self.value_dim,
                       keep_last=(self.max_len,) * self.num_layers, num_contextual=0,
-                      rel_pos_buckets=2 * self.max_len if self.rel_bias else 0, attn_impl=self.attn_impl, dropout_rate=self.dropout_rate,
-                      qk_scale=self.qk_scale, layer_form=self.layer_form)
+                      rel_pos_buckets=2 * self.max_len if self.rel_bias else 0, attn_impl=self.attn_impl,
+                      dropout_rate=self.dropout_rate, qk_scale=self.qk_scale, layer_form=self.layer_form)
     return ModelConfig(model_dim=self.dim, num_layers=self.num_layers, hstu=hstu)
 
 
@@ -116,8 +116,8 @@ class SeqRecModel(nnx.Module):
 
   def encode(self, items: Jagged, dropout_rng=None):
     """items: Jagged (T,) int32 item ids, rows of at most max_len (the batch builder checks it on the host:
-    a longer row would read a clamped position) -> user embeddings T x D (f32; unit rows when normalize). Dropout is on only
-    when `dropout_rng` is given."""
+    a longer row would read a clamped position) -> user embeddings T x D (f32; unit rows when normalize).
+    Dropout is on only when `dropout_rng` is given."""
     rngs = [None] * (len(self.layers) + 1)
     if dropout_rng is not None:
       rngs = list(jax.random.split(dropout_rng, len(self.layers) + 1))

@@ -146,8 +146,8 @@ class NextItem(Task):
       negatives = jax.random.randint(key, batch.targets_T.shape + (c.num_negatives,), 1, model.num_items + 1,
                                      dtype=jnp.int32)
       logq_neg, logq_pos_T = 0.0, jnp.zeros_like(logq_pos_T)
-    total, count = LOSSES[c.loss](user_TxD, model.item_table(dropout_rng), batch.targets_T, negatives, logq_neg, logq_pos_T,
-                                  c.temperature)
+    total, count = LOSSES[c.loss](user_TxD, model.item_table(dropout_rng), batch.targets_T, negatives, logq_neg,
+                                  logq_pos_T, c.temperature)
     return {"loss_sum": total, "tokens": count.astype(jnp.float32)}
 
   def loss(self, totals):
