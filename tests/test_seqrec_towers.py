@@ -109,6 +109,8 @@ def test_tower_settings_are_checked():
     SeqRecModelConfig(arch="sasrec", ffn_multiplier=0)
   with pytest.raises(ValueError, match="heads do not divide the width 10"):
     SeqRecModel(SeqRecModelConfig(dim=10, num_heads=3, arch="sasrec"), num_items=4, rngs=nnx.Rngs(0))
+  amazon = configs.seqrec("toys")
+  assert (amazon.model.dim, amazon.model.head_dim, amazon.task.temperature) == (128, 128, 0.1)
   ss, bce = configs.seqrec("beauty", tower="sasrec-ss"), configs.seqrec("ml-1m", tower="sasrec-bce")
   assert (ss.model.arch, ss.model.dim, ss.model.num_layers, ss.model.normalize) == ("sasrec", 64, 1, False)
   assert (ss.task.loss, ss.task.negatives, ss.task.num_negatives) == ("sampled_softmax", "per_token", 256)
