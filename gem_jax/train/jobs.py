@@ -107,8 +107,9 @@ def train_next_item_seeds(cfg, out_dir: str, seeds: list[int], *, resume: bool =
                           command: str = "", log=print) -> dict:
   """train_next_item once per seed (train.seed and data.seed both set to it) into out_dir/seed-<s>, then
   out_dir/seeds.json: seed_summary of the kept evaluations, the command and every run's folder. A seed whose
-  folder already holds results.json is read, not retrained (so an interrupted sweep goes on where it
-  stopped); with resume, an unfinished seed continues from its checkpoint."""
+  folder already holds results.json of the same config is read, not retrained (so an interrupted sweep goes
+  on where it stopped, and seeds can run as separate processes); another config there raises. With resume,
+  an unfinished seed continues from its checkpoint."""
   import dataclasses
   import json
 
@@ -120,13 +121,18 @@ def train_next_item_seeds(cfg, out_dir: str, seeds: list[int], *, resume: bool =
   for seed in seeds:
     run_dir = os.path.join(out_dir, f"seed-{seed}")
     done = os.path.join(run_dir, "results.json")
+    seeded = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed),
+                                 data=dataclasses.replace(cfg.data, seed=seed))
     if os.path.exists(done):
       with open(done) as f:
         results = json.load(f)
+      wanted = json.loads(json.dumps(dataclasses.asdict(seeded), default=str))
+      differ = seqrec_results.changes(results["config"], wanted)
+      if differ:
+        raise ValueError(f"{done} was trained with another config than seed {seed} of this one: {differ}; "
+                         "remove the folder or use another --out")
       log(f"seed {seed}: read {done}")
     else:
-      seeded = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed),
-                                   data=dataclasses.replace(cfg.data, seed=seed))
       results = train_next_item(seeded, run_dir, resume=resume, report=report, log=log)
     per_seed.append({"seed": seed, "valid": results["valid"], "test": results["test"], "dir": run_dir,
                      "best_step": results["best_step"], "wall_s": results["wall_s"]["total"]})
