@@ -50,3 +50,13 @@ def toy_u_data(root, users: int = 24, seed: int = 0) -> str:
   (root / "ml-100k").mkdir(parents=True, exist_ok=True)
   (root / "ml-100k" / "u.data").write_text("\n".join(lines) + "\n")
   return str(root)
+
+
+def fixed_batch_losses(run, steps: int):
+  """Trains `run` on its source's first batch `steps` times -> (the final state, the loss of each step)."""
+  batch = run.device_batch(run.source.first_batch())
+  state, losses = run.state, []
+  for _ in range(steps):
+    state, m = run.train_step(state, batch)
+    losses.append(float(m["loss"]))
+  return state, losses

@@ -26,7 +26,7 @@ from gem_jax.run import next_item
 from gem_jax.run.build import build
 from gem_jax.run.next_item import NextItemConfig
 from gem_jax.train import jobs
-from tests.data_helpers import toy_u_data
+from tests.data_helpers import fixed_batch_losses, toy_u_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -260,11 +260,7 @@ def test_train_step_lowers_loss_on_a_fixed_batch_and_ranks_every_user(tmp_path):
       f"data.data_dir={toy_u_data(tmp_path)}", "data.batch_size=8", "data.uniform_negatives=6",
       "data.batch_negatives=2", "data.token_multiple=64", "model.dropout_rate=0.0", "train.learning_rate=0.01"])
   run = build(cfg)
-  batch = run.device_batch(run.source.first_batch())
-  state, losses = run.state, []
-  for _ in range(30):
-    state, m = run.train_step(state, batch)
-    losses.append(float(m["loss"]))
+  state, losses = fixed_batch_losses(run, 30)
   assert losses[-1] < 0.5 * losses[0], losses
   ranks = [np.asarray(run.eval_step(state.params, run.place(b))) for b in run.eval_batches("test")]
   result = run.task.evaluate(ranks, run.eval_batches("test"))

@@ -20,7 +20,7 @@ from gem_jax.run import next_item
 from gem_jax.run.build import build
 from gem_jax.run.next_item import NextItemConfig
 from gem_jax.train import jobs, seqrec_results
-from tests.data_helpers import toy_u_data
+from tests.data_helpers import fixed_batch_losses, toy_u_data
 
 
 # ---- the blocks against a dense computation, one row at a time ------------------------------------------
@@ -168,11 +168,7 @@ def _toy_cfg(tmp_path, *sets):
 def test_every_tower_and_loss_trains_through_the_spine(tmp_path, sets):
   cfg = _toy_cfg(tmp_path, "model.dropout_rate=0.0", "train.learning_rate=0.01", *sets)
   run = build(cfg)
-  batch = run.device_batch(run.source.first_batch())
-  state, losses = run.state, []
-  for _ in range(25):
-    state, m = run.train_step(state, batch)
-    losses.append(float(m["loss"]))
+  _, losses = fixed_batch_losses(run, 25)
   assert np.mean(losses[-5:]) < 0.7 * losses[0], losses  # per-token negatives: a new draw every step
 
 
