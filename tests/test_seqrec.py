@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from gem_jax import configs, metrics
+from gem_jax.bench import seqrec_step
 from gem_jax.check import ConfigError
 from gem_jax.config import apply_overrides
 from gem_jax.data import seqrec as data
@@ -231,6 +232,34 @@ def test_full_softmax_loss_matches_numpy():
     NextItemConfig(loss="bpr")
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 5, 64])
+def test_chunked_full_softmax_matches_the_unchunked_loss_and_its_gradients(chunk):
+  """Chunks that divide T, that do not (the last one padded), and one larger than T; padding tokens
+  (target 0) inside and at the end; a cotangent other than 1 (mean_loss divides by the token count)."""
+  rng = np.random.default_rng(2)
+  T, I, D = 13, 9, 5
+  user = jax.numpy.asarray(rng.normal(size=(T, D)).astype(np.float32))
+  table = jax.numpy.asarray(rng.normal(size=(I, D)).astype(np.float32))
+  targets = np.array([1, 8, 0, 2, 2, 7, 3, 0, 4, 5, 6, 0, 0], np.int32)
+  chunked = lambda *a: next_item.chunked_full_softmax_loss_sums(*a, chunk=chunk)
+
+  def loss(sums, u, t):
+    return next_item.mean_loss(sums, u, t, targets, None, None, None, 0.7)
+
+  want = jax.value_and_grad(lambda u, t: loss(next_item.full_softmax_loss_sums, u, t), argnums=(0, 1))(user, table)
+  got = jax.jit(jax.value_and_grad(lambda u, t: loss(chunked, u, t), argnums=(0, 1)))(user, table)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  for g, w in zip(got[1], want[1]):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  assert float(loss(chunked, user, table)) == pytest.approx(float(want[0]), rel=1e-6)   # undifferentiated
+  assert not np.any(got[1][0][targets == 0])    # padding tokens get no gradient
+
+
+def test_full_softmax_loss_chunk_setting():
+  with pytest.raises(ValueError, match="loss_chunk must be >= 0"):
+    NextItemConfig(loss="full_softmax", loss_chunk=-1)
+
+
 def _model(dropout=0.3):
   cfg = SeqRecModelConfig(dim=8, num_layers=2, head_dim=4, value_dim=4, num_heads=2, max_len=6,
                           dropout_rate=dropout, attn_impl="xla")
@@ -266,6 +295,23 @@ def test_train_step_lowers_loss_on_a_fixed_batch_and_ranks_every_user(tmp_path):
   result = run.task.evaluate(ranks, run.eval_batches("test"))
   assert set(result) == cfg.task.metric_names() and 0 < result["HR@50"] <= 1
   assert sum(int(np.asarray(b.row_mask_B).sum()) for b in run.eval_batches("test")) == 24
+
+
+def test_step_bench_times_variants_of_one_preset_on_the_same_batches(tmp_path):
+  """gem_jax/bench/seqrec_step.py: the chunked and unchunked full softmax through the real step start from
+  the same loss (same parameters, same batch), and every rate is measured."""
+  base = [f"data.data_dir={toy_u_data(tmp_path)}", "data.batch_size=8", "data.token_multiple=64",
+          "task.loss=full_softmax"]
+  result = seqrec_step.compare("ml-100k", {"unchunked": base + ["task.loss_chunk=0"],
+                                           "chunk16": base + ["task.loss_chunk=16"]},
+                               steps=2, rounds=1, eval_batches=1, quick=True, log=lambda line: None)
+  rows = result["variants"]
+  assert rows["chunk16"]["first_loss"] == pytest.approx(rows["unchunked"]["first_loss"], rel=1e-6)
+  assert rows["unchunked"]["speedup"] == 1.0
+  for row in rows.values():
+    assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["eval_users_per_s"] > 0
+    assert 0 < row["tokens_per_batch"] <= 64
+  assert "chunk16" in seqrec_step.table(result)
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ Losses (`loss`), over the model's scores divided by a temperature:
                    gem_jax/data/seqrec_source.py), logits corrected by the log of their expected count in
                    the set (logQ), the target logit too. negatives="per_token": num_negatives drawn
                    uniformly for each token in the step (SASRec+SS's setting; no correction needed)
-  full_softmax     every item is a negative (exact cross-entropy; T x I x D per step)
+  full_softmax     every item is a negative (exact cross-entropy; T x I x D per step), loss_chunk tokens at
+                   a time with the gradients made in the same pass (chunked_full_softmax_loss_sums)
   bce              binary cross-entropy of the target against each of its negatives (SASRec's original
                    loss with negatives="per_token", num_negatives=1)
 
@@ -24,6 +25,7 @@ per token).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +88,81 @@ def full_softmax_loss_sums(user_TxD, table_IxD, targets_T, negatives_K, logq_neg
   return jnp.sum(jnp.where(valid_T, lse_T - pos_T, 0.0)), jnp.sum(valid_T)
 
 
+def _token_chunks(x, chunk: int):
+  """T x ... -> (T / chunk) x chunk x ..., the token axis padded with zeros to a multiple of chunk."""
+  pad = -x.shape[0] % chunk
+  x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+  return x.reshape((x.shape[0] // chunk, chunk) + x.shape[1:])
+
+
+def _chunk_logits(user_CxD, table_IxD, temperature):
+  """A chunk's logits over every item, C x I, with row 0 (padding) at -inf: (log-sum-exp C, logits)."""
+  not_item_I = jnp.where(jnp.arange(table_IxD.shape[0]) == 0, -jnp.inf, 0.0)
+  logits_CxI = jnp.einsum("cd,id->ci", user_CxD, table_IxD, preferred_element_type=jnp.float32) / temperature
+  logits_CxI = logits_CxI + not_item_I[None, :]
+  return jax.nn.logsumexp(logits_CxI, axis=1), logits_CxI
+
+
+def _chunked_loss_and_grads(user_TxD, table_IxD, targets_T, temperature, chunk):
+  """The full-softmax sums and their gradients with respect to user_TxD and table_IxD, one chunk of tokens
+  at a time: a chunk's C x I logits are made once and give its log-sum-exp and its softmax, whose products
+  with the table and the chunk's users are the gradients (the target's -1 is added after the loop)."""
+  valid_T = targets_T > 0
+  w_T = jnp.where(valid_T, 1.0 / temperature, 0.0)   # d(logit)/d(score), zero on padding tokens
+
+  def one_chunk(dtable_IxD, xs):
+    user_CxD, w_C = xs
+    lse_C, logits_CxI = _chunk_logits(user_CxD, table_IxD, temperature)
+    p_CxI = jnp.exp(logits_CxI - lse_C[:, None]) * w_C[:, None]
+    dtable_IxD = dtable_IxD + jnp.einsum("ci,cd->id", p_CxI, user_CxD, preferred_element_type=jnp.float32)
+    return dtable_IxD, (lse_C, p_CxI @ table_IxD)
+
+  dtable_IxD, (lse, duser) = jax.lax.scan(one_chunk, jnp.zeros(table_IxD.shape, jnp.float32),
+                                          (_token_chunks(user_TxD, chunk), _token_chunks(w_T, chunk)))
+  T = user_TxD.shape[0]
+  lse_T, duser_TxD = lse.reshape(-1)[:T], duser.reshape(-1, user_TxD.shape[1])[:T]
+  target_TxD = table_IxD[targets_T]
+  pos_T = jnp.sum(user_TxD * target_TxD, axis=-1) / temperature
+  duser_TxD = duser_TxD - w_T[:, None] * target_TxD
+  dtable_IxD = dtable_IxD.at[targets_T].add(-w_T[:, None] * user_TxD)
+  total = jnp.sum(jnp.where(valid_T, lse_T - pos_T, 0.0))
+  return (total, jnp.sum(valid_T)), (duser_TxD.astype(user_TxD.dtype), dtable_IxD.astype(table_IxD.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_full_softmax(user_TxD, table_IxD, targets_T, temperature, chunk):
+  lse = jax.lax.map(lambda u: _chunk_logits(u, table_IxD, temperature)[0], _token_chunks(user_TxD, chunk))
+  lse_T = lse.reshape(-1)[:user_TxD.shape[0]]
+  valid_T = targets_T > 0
+  pos_T = jnp.sum(user_TxD * table_IxD[targets_T], axis=-1) / temperature
+  return jnp.sum(jnp.where(valid_T, lse_T - pos_T, 0.0)), jnp.sum(valid_T)
+
+
+def _chunked_fwd(user_TxD, table_IxD, targets_T, temperature, chunk):
+  return _chunked_loss_and_grads(user_TxD, table_IxD, targets_T, temperature, chunk)
+
+
+def _chunked_bwd(temperature, chunk, grads, cotangents):
+  del temperature, chunk
+  duser_TxD, dtable_IxD = grads
+  g = cotangents[0]   # the loss sum is linear in nothing else: its gradients scale with its cotangent
+  return g * duser_TxD, g * dtable_IxD, None
+
+
+_chunked_full_softmax.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def chunked_full_softmax_loss_sums(user_TxD, table_IxD, targets_T, negatives_K, logq_neg_K, logq_pos_T,
+                                   temperature, *, chunk: int = 512):
+  """full_softmax_loss_sums, `chunk` tokens at a time, never holding the T x I logits: the forward keeps a
+  chunk's logits only for its log-sum-exp, and under differentiation the gradients are computed with the
+  loss in the same pass over each chunk (as fused linear-cross-entropy kernels do) and scaled by the loss's
+  cotangent in the backward. Same value and gradients as full_softmax_loss_sums up to float rounding
+  (tests/test_seqrec.py); the token count is not differentiable."""
+  del negatives_K, logq_neg_K, logq_pos_T
+  return _chunked_full_softmax(user_TxD, table_IxD, targets_T, temperature, chunk)
+
+
 LOSSES = {"sampled_softmax": sampled_softmax_loss_sums, "full_softmax": full_softmax_loss_sums, "bce": bce_loss_sums}
 NEGATIVES = ("shared", "per_token")
 
@@ -106,6 +183,8 @@ class NextItemConfig:
   ks: tuple[int, ...] = (10, 50, 200)
   negatives: str = "shared"         # "shared": the source's set per batch; "per_token": num_negatives per token
   num_negatives: int = 256          # per_token: drawn uniformly from the catalog in the step (no logQ needed)
+  loss_chunk: int = 512             # full_softmax: tokens per chunk (chunked_full_softmax_loss_sums); 0: the
+                                    # whole T x I logits at once through autodiff
 
   def __post_init__(self):
     if self.loss not in LOSSES:
@@ -114,6 +193,8 @@ class NextItemConfig:
       raise ValueError(f"task.negatives: must be one of {NEGATIVES}, got {self.negatives!r}")
     if self.num_negatives < 1:
       raise ValueError(f"task.num_negatives must be >= 1, got {self.num_negatives}")
+    if self.loss_chunk < 0:
+      raise ValueError(f"task.loss_chunk must be >= 0 (0: unchunked), got {self.loss_chunk}")
     if not self.temperature > 0:
       raise ValueError(f"task.temperature must be > 0, got {self.temperature}")
     if not self.ks or min(self.ks) < 1:
@@ -146,7 +227,10 @@ class NextItem(Task):
       negatives = jax.random.randint(key, batch.targets_T.shape + (c.num_negatives,), 1, model.num_items + 1,
                                      dtype=jnp.int32)
       logq_neg, logq_pos_T = 0.0, jnp.zeros_like(logq_pos_T)
-    total, count = LOSSES[c.loss](user_TxD, model.item_table(dropout_rng), batch.targets_T, negatives, logq_neg,
+    loss_sums = LOSSES[c.loss]
+    if c.loss == "full_softmax" and c.loss_chunk:
+      loss_sums = functools.partial(chunked_full_softmax_loss_sums, chunk=c.loss_chunk)
+    total, count = loss_sums(user_TxD, model.item_table(dropout_rng), batch.targets_T, negatives, logq_neg,
                                   logq_pos_T, c.temperature)
     return {"loss_sum": total, "tokens": count.astype(jnp.float32)}
 
