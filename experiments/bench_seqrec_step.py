@@ -37,7 +37,8 @@ def main(argv=None) -> int:
       p.error(f"--variant {name!r}: each variant starts with a new name (no '='), then its KEY=VALUE overrides")
     variants[name] = overrides
   result = seqrec_step.compare(args.dataset, variants, steps=args.steps, rounds=args.rounds,
-                               eval_batches=args.eval_batches, quick=args.quick, log=lambda line: print(line, flush=True))
+                               eval_batches=args.eval_batches, quick=args.quick,
+                               log=lambda line: print(line, flush=True))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
