@@ -204,8 +204,8 @@ def seqrec(dataset: str, quick: bool = False, tower: str = "hstu") -> Config:
   50, 200 (Amazon adds 5, 20); validation every 5 epochs, the best NDCG@10 kept, stop after 4 without a
   better one. Amazon: width 128 (q/k/v too) and temperature 0.1, chosen on Beauty's validation split.
   `tower`: "hstu", or a SASRec comparison recipe (_sasrec_tower) on the same data, training and
-  evaluation. ML-1M uses every item as a negative (full softmax: ~2x the step time of 1,024 shared sampled
-  ones on CPU, better validation NDCG@10 at every epoch measured). `quick`: a few epochs of a small model on
+  evaluation. ML-1M uses every item as a negative (full softmax, chunked: 1.21x the step time of 1,024 shared
+  sampled ones on CPU, better validation NDCG@10 at every epoch measured). `quick`: a few epochs of a small model on
   MovieLens-100K for tests (a learning check, not a result).
   """
   if dataset not in DATASETS:
