@@ -28,6 +28,8 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=10, help="timed train steps per round (the same batches each)")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--eval-batches", type=int, default=0, help="also time this many validation batches")
+  p.add_argument("--tower", default="hstu", choices=["hstu", "sasrec-ss", "sasrec-bce"],
+                 help="the preset's tower (gem_jax.configs.seqrec)")
   p.add_argument("--quick", action="store_true", help="the --quick preset (ml-100k only; for tests)")
   p.add_argument("--out", default="runs/bench_seqrec_step.json")
   args = p.parse_args(argv)
@@ -37,7 +39,7 @@ def main(argv=None) -> int:
       p.error(f"--variant {name!r}: each variant starts with a new name (no '='), then its KEY=VALUE overrides")
     variants[name] = overrides
   result = seqrec_step.compare(args.dataset, variants, steps=args.steps, rounds=args.rounds,
-                               eval_batches=args.eval_batches, quick=args.quick,
+                               eval_batches=args.eval_batches, quick=args.quick, tower=args.tower,
                                log=lambda line: print(line, flush=True))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:

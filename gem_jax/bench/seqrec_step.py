@@ -31,8 +31,8 @@ def _tokens(batch) -> int:
   return int(np.sum(np.asarray(batch.targets_T) > 0))
 
 
-def _variant(dataset: str, overrides: list[str], steps: int, quick: bool):
-  cfg = apply_overrides(configs.seqrec(dataset, quick), overrides)
+def _variant(dataset: str, overrides: list[str], steps: int, quick: bool, tower: str):
+  cfg = apply_overrides(configs.seqrec(dataset, quick, tower), overrides)
   run = build(cfg)
   it = run.source.train_iterator()
   host = [next(it) for _ in range(steps)]
@@ -68,10 +68,10 @@ def _eval_rate(v: dict, batches: int, rounds: int) -> float:
 
 
 def compare(dataset: str, variants: dict[str, list[str]], *, steps: int = 10, rounds: int = 3,
-            eval_batches: int = 0, quick: bool = False, log=print) -> dict:
-  """{name: overrides} of the dataset's preset (its --quick one with `quick`), timed side by side (module
-  docstring) -> a JSON-able dict."""
-  built = {name: _variant(dataset, overrides, steps, quick) for name, overrides in variants.items()}
+            eval_batches: int = 0, quick: bool = False, tower: str = "hstu", log=print) -> dict:
+  """{name: overrides} of the dataset's preset for `tower` (its --quick one with `quick`), timed side by side
+  (module docstring) -> a JSON-able dict."""
+  built = {name: _variant(dataset, overrides, steps, quick, tower) for name, overrides in variants.items()}
   for name, v in built.items():   # compile, and the first step's loss from the initial parameters
     state, metrics = v["run"].train_step(v["run"].state, v["batches"][0])
     v["first_loss"] = float(metrics["loss"])
@@ -82,7 +82,7 @@ def compare(dataset: str, variants: dict[str, list[str]], *, steps: int = 10, ro
     for name in (names if r % 2 == 0 else names[::-1]):
       _train_round(built[name])
       log(f"{name} round {r}: {built[name]['tokens_per_s'][-1]:,.0f} tokens/s")
-  out = {"dataset": dataset, "steps": steps, "rounds": rounds, "variants": {}}
+  out = {"dataset": dataset, "tower": tower, "steps": steps, "rounds": rounds, "variants": {}}
   for name, v in built.items():
     row = {"overrides": variants[name], "step_s": statistics.median(v["step_s"]),
            "tokens_per_s": statistics.median(v["tokens_per_s"]), "first_loss": v["first_loss"],
