@@ -177,7 +177,8 @@ def _sasrec_tower(cfg: Config, dataset: str, tower: str) -> Config:
   """The SASRec comparison recipes on the same code (gem_jax/model/sasrec.py).
 
   sasrec-ss   eSASRec's SASRec+SS (Tikhonovich et al., RecSys 2025; their repository blondered/
-              transformer_benchmark, README and configs/paper/loo): width 64, 1 block on Amazon and 2 on ML-1M,
+              transformer_benchmark, README and configs/paper/loo): width 64 as their README says (the S3
+              config, configs/paper/loo/s3_vanilla.yaml, sets 256: README), 1 block on Amazon and 2 on ML-1M,
               1 head, dropout 0.2 (ML-1M 0.1), raw dot-product scores, learned positions counted from the
               newest item, dropout on the output table too, sampled softmax over 256 uniform negatives drawn
               per token, Adam lr 1e-3, betas (0.9, 0.98), batch 128
@@ -205,8 +206,8 @@ def seqrec(dataset: str, quick: bool = False, tower: str = "hstu") -> Config:
   better one. Amazon: width 128 (q/k/v too) and temperature 0.1, chosen on Beauty's validation split.
   `tower`: "hstu", or a SASRec comparison recipe (_sasrec_tower) on the same data, training and
   evaluation. ML-1M uses every item as a negative (full softmax, chunked: 1.21x the step time of 1,024 shared
-  sampled ones on CPU, better validation NDCG@10 at every epoch measured). `quick`: a few epochs of a small model on
-  MovieLens-100K for tests (a learning check, not a result).
+  sampled ones on CPU, better validation NDCG@10 at every epoch measured). `quick`: a few epochs of a small
+  model on MovieLens-100K for tests (a learning check, not a result).
   """
   if dataset not in DATASETS:
     raise ValueError(f"unknown dataset {dataset!r}; known: {sorted(DATASETS)}")
