@@ -171,11 +171,21 @@ def hstu_attention_query_block(q_QxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, q_start,
 
 def jagged_softmax_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int, scale: float,
                              causal: bool = True, num_targets=None, max_attn_len: int = 0,
-                             contextual_seq_len: int = 0, impl: str = "auto"):
+                             contextual_seq_len: int = 0, impl: str = "auto", block: int | None = None):
   """Softmax attention over jagged rows with the HSTU mask semantics (InterFormer-style sequence arches);
-  see pallas_kernels/jagged_softmax_attention/reference.py."""
+  see pallas_kernels/jagged_softmax_attention/reference.py.
+
+  block: the tile edge of the `xla` impl's loop (None: softmax_tiled.BLOCK, 16). Short rows want small
+  tiles and long ones large: 16 is best on rows of at most 50 tokens, 64 on rows of up to 200
+  (README, sequential recommendation). Other impls refuse it."""
   fn = _resolve(impl, _SOFTMAX_IMPLS, "jagged_softmax_attention")
+  extra = {}
+  if block is not None:
+    if fn is not softmax_tiled.jagged_softmax_attention:
+      raise ValueError(f"jagged_softmax_attention: block={block} is a setting of the 'xla' impl, not of "
+                       f"{_auto(impl)!r}")
+    extra = {"block": block}
   if _counted("softmax", impl, q_TxHxD, v_TxHxDv, max_seq_len, contextual_seq_len):
     return jax.numpy.zeros_like(v_TxHxDv)
   return fn(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, max_seq_len=max_seq_len, scale=scale, causal=causal,
-            num_targets=num_targets, max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len)
+            num_targets=num_targets, max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len, **extra)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gem_jax import configs
+from gem_jax import configs, ops
 from gem_jax.config import apply_overrides
 from gem_jax.data import seqrec_source
 from gem_jax.jagged import Jagged
@@ -73,10 +73,13 @@ def _dense_row(model, ids, heads):
   return x / np.linalg.norm(x, axis=-1, keepdims=True) if cfg.normalize else x
 
 
-@pytest.mark.parametrize("arch,normalize,positions", [("sasrec", False, "from_end"), ("esasrec", True, "from_start")])
-def test_softmax_blocks_match_a_dense_computation_row_by_row(arch, normalize, positions):
+@pytest.mark.parametrize("arch,normalize,positions,block", [("sasrec", False, "from_end", 0),
+                                                             ("esasrec", True, "from_start", 4)])
+def test_softmax_blocks_match_a_dense_computation_row_by_row(arch, normalize, positions, block):
+  """block 4: tiles of the xla loop that straddle rows (lengths 3, 6, 1)."""
   cfg = SeqRecModelConfig(dim=8, num_layers=2, num_heads=2, max_len=6, dropout_rate=0.3, attn_impl="xla", arch=arch,
-                          ffn_multiplier=2, normalize=normalize, embed_scale=False, positions=positions)
+                          ffn_multiplier=2, normalize=normalize, embed_scale=False, positions=positions,
+                          attn_block=block)
   model = SeqRecModel(cfg, num_items=11, rngs=nnx.Rngs(3))
   # Non-trivial norms and gate biases, so a swapped or missing term shows.
   rng = np.random.default_rng(0)
@@ -126,6 +129,19 @@ def test_tower_settings_are_checked():
   assert raw.layers[0].qk_scale == 1.0
   with pytest.raises(ValueError, match="qk_scale must be >= 0"):
     SeqRecModelConfig(qk_scale=-1.0).hstu_model_config()
+  with pytest.raises(ValueError, match="attn_block must be >= 0"):
+    SeqRecModelConfig(attn_block=-1)
+  with pytest.raises(ValueError, match="block=32 is a setting of the 'xla' impl, not of 'reference'"):
+    ops.jagged_softmax_attention(*(jnp.zeros((4, 1, 2)),) * 3, jnp.array([0, 4]), max_seq_len=4, scale=1.0,
+                                 impl="reference", block=32)
+  tiled = SeqRecModel(SeqRecModelConfig(dim=8, head_dim=4, value_dim=4, attn_tiles="64x8"), 5, rngs=nnx.Rngs(0))
+  assert tiled.layers[0].attn_tiles == ops.TileConfig(64, 8)
+  with pytest.raises(ValueError, match="attn_tiles must be 'default', 'auto'"):
+    SeqRecModelConfig(attn_tiles="64").hstu_model_config()
+  blocked = SeqRecModel(SeqRecModelConfig(dim=8, arch="sasrec", attn_block=32), 5, rngs=nnx.Rngs(0))
+  assert blocked.layers[0].attn_block == 32
+  assert configs.seqrec("ml-1m", tower="sasrec-ss").model.attn_block == 32
+  assert configs.seqrec("beauty", tower="sasrec-ss").model.attn_block == 0
 
 
 # ---- per-token losses --------------------------------------------------------------------------------------

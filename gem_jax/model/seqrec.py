@@ -47,6 +47,8 @@ class SeqRecModelConfig:
   max_len: int = 200          # most recent items kept per row
   dropout_rate: float = 0.2   # input embeddings and each layer's linear dropout
   attn_impl: str = "auto"     # gem_jax.ops attention impl
+  attn_tiles: str = "default"  # hstu, impl xla: the tiled loop's "<block>x<group>", "auto" or "default"
+  attn_block: int = 0         # sasrec / esasrec, impl xla: the softmax loop's tile edge; 0: its default (16)
   arch: str = "hstu"          # "hstu", "sasrec" or "esasrec" (module docstring)
   ffn_multiplier: int = 1     # sasrec / esasrec: feed-forward width = ffn_multiplier * dim
   normalize: bool = True      # L2-normalize user and item embeddings (False: raw dot products, as SASRec)
@@ -65,6 +67,8 @@ class SeqRecModelConfig:
       raise ValueError(f"SeqRecModelConfig: positions must be 'from_start' or 'from_end', got {self.positions!r}")
     if self.ffn_multiplier < 1:
       raise ValueError(f"SeqRecModelConfig: ffn_multiplier must be >= 1, got {self.ffn_multiplier}")
+    if self.attn_block < 0:
+      raise ValueError(f"SeqRecModelConfig: attn_block must be >= 0 (0: the kernel's default), got {self.attn_block}")
     if min(self.dim, self.num_layers, self.num_heads, self.head_dim, self.value_dim, self.max_len) < 1:
       raise ValueError(f"SeqRecModelConfig: sizes must be positive: {self}")
     if not 0.0 <= self.dropout_rate < 1.0:
@@ -76,7 +80,8 @@ class SeqRecModelConfig:
     hstu = HSTUConfig(num_heads=self.num_heads, head_dim=self.head_dim, value_dim=self.value_dim,
                       keep_last=(self.max_len,) * self.num_layers, num_contextual=0,
                       rel_pos_buckets=2 * self.max_len if self.rel_bias else 0, attn_impl=self.attn_impl,
-                      dropout_rate=self.dropout_rate, qk_scale=self.qk_scale, layer_form=self.layer_form)
+                      attn_tiles=self.attn_tiles, dropout_rate=self.dropout_rate, qk_scale=self.qk_scale,
+                      layer_form=self.layer_form)
     return ModelConfig(model_dim=self.dim, num_layers=self.num_layers, hstu=hstu)
 
 
@@ -111,7 +116,8 @@ class SeqRecModel(nnx.Module):
     else:
       self.layers = nnx.List([sasrec.SoftmaxBlock(cfg.arch, mcfg, cfg.max_len, ffn_multiplier=cfg.ffn_multiplier,
                                                   dropout_rate=cfg.dropout_rate, attn_impl=cfg.attn_impl,
-                                                  site=f"layers.{i}", rngs=rngs) for i in range(cfg.num_layers)])
+                                                  attn_block=cfg.attn_block, site=f"layers.{i}", rngs=rngs)
+                              for i in range(cfg.num_layers)])
     self.final_norm = LayerNorm(cfg.dim, mcfg, rngs=rngs) if cfg.arch == "sasrec" else None
 
   def encode(self, items: Jagged, dropout_rng=None):
