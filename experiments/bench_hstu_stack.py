@@ -7,6 +7,7 @@
   python experiments/bench_hstu_stack.py --tiles --reps 10          # the attention alone at each tile config
   git worktree add /tmp/prev HEAD~1
   python experiments/bench_hstu_stack.py --baseline /tmp/prev     # the same stacks in another checkout, side by side
+  python experiments/bench_hstu_stack.py --impls xla --flag-sets default ynn_dot onednn   # XLA:CPU options
 
 Written to --out: every run and the medians (JSON); printed: a table with each tree's median step time,
 tokens/s and share of the GEMM, and with --baseline the tokens/s ratio.
@@ -44,6 +45,8 @@ def main(argv=None) -> int:
   p.add_argument("--no-rel-bias", action="store_true", help="layers without the relative position bias "
                  "(model.hstu.rel_pos_buckets=0): what the bias costs")
   p.add_argument("--baseline", default=None, help="another checkout's root (e.g. a git worktree of HEAD~1)")
+  p.add_argument("--flag-sets", nargs="+", default=None, metavar="NAME",
+                 help="compare XLA_FLAGS sets of gem_jax/bench/xla_flags.py (the first the baseline) in this tree")
   p.add_argument("--tiles", action="store_true", help="instead: each stack's attention alone at every tile config "
                  "of the xla impl (pallas_kernels/hstu_attention/tiled.py CANDIDATES), in this process")
   p.add_argument("--out", default="runs/bench_hstu_stack.json")
@@ -61,8 +64,18 @@ def main(argv=None) -> int:
     print(hstu_stack.tiles_table(rows))
     return 0
   trees = {"this": ROOT, **({"baseline": args.baseline} if args.baseline else {})}
+  flag_sets = None
+  if args.flag_sets:
+    sys.path.insert(0, ROOT)
+    from gem_jax.bench import xla_flags
+    unknown = [n for n in args.flag_sets if n not in xla_flags.ALL]
+    if unknown or args.baseline:
+      p.error(f"--flag-sets: unknown {unknown}, known {sorted(xla_flags.ALL)}" if unknown
+              else "--flag-sets compares within this tree; drop --baseline")
+    flag_sets = {n: xla_flags.ALL[n] for n in args.flag_sets}
   result = hstu_stack.compare(trees, args.stacks, args.impls, reps=args.reps, rounds=args.rounds, seed=args.seed,
-                              rel_bias=not args.no_rel_bias, log=lambda line: print(line, flush=True))
+                              rel_bias=not args.no_rel_bias, flag_sets=flag_sets,
+                              log=lambda line: print(line, flush=True))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)

@@ -2,6 +2,7 @@
 
   python experiments/compile_flags.py                      # tiny: default flags, level 0, level 0 + no fusion emitters
   python experiments/compile_flags.py --config small --repeats 3 --steps 20
+  python experiments/compile_flags.py --config small --sets default ynn_dot onednn --steps 20   # run-time options
 
 Each (flag set, repeat) is a fresh process on one CPU device with no compilation cache, run in alternating
 order so the machine's drift falls on every set alike. A process builds the run, lowers and compiles its
@@ -21,11 +22,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-SETS = {
-    "default": "",
-    "O0": "--xla_backend_optimization_level=0",
-    "O0_no_fusion_emitters": "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false",
-}
+from gem_jax.bench import xla_flags  # noqa: E402
+
+SETS, ALL_SETS = xla_flags.COMPILE, xla_flags.ALL
 
 
 def child(config: str, steps: int) -> dict:
@@ -63,15 +62,18 @@ def main(argv=None) -> int:
   p.add_argument("--config", default="tiny")
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--sets", nargs="+", default=list(SETS), choices=list(ALL_SETS),
+                 help="flag sets to compare, the first the baseline (default: the compile-time ones)")
   p.add_argument("--out", default=None, help="JSON of every run and the medians")
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
     print(json.dumps(child(args.config, args.steps)))
     return 0
-  runs = {name: [] for name in SETS}
-  for _ in range(args.repeats):
-    for name, flags in SETS.items():
+  sets = {name: ALL_SETS[name] for name in args.sets}
+  runs = {name: [] for name in sets}
+  for r in range(args.repeats):
+    for name, flags in (sets.items() if r % 2 == 0 else list(sets.items())[::-1]):
       env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
       env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
       proc = subprocess.run([sys.executable, __file__, "--child", "--config", args.config, "--steps", str(args.steps)],
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
       runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
   medians = {name: {k: statistics.median(r[k] for r in rs) for k in ("compile_s", "step_s", "eager40_s")}
              for name, rs in runs.items()}
-  first = medians[next(iter(SETS))]
+  first = medians[args.sets[0]]
   print(f"{args.config}: median of {args.repeats} fresh processes per flag set ({args.steps} steps each)")
   print(f"{'flags':24s} {'compile_s':>10s} {'x':>6s} {'step_s':>9s} {'x':>6s} {'eager40_s':>10s} {'x':>6s}  last loss")
   for name, m in medians.items():
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
           f"{runs[name][-1]['loss']!r}")
   if args.out:
     with open(args.out, "w") as f:
-      json.dump({"config": args.config, "sets": SETS, "runs": runs, "medians": medians}, f, indent=1)
+      json.dump({"config": args.config, "sets": sets, "runs": runs, "medians": medians}, f, indent=1)
   return 0
 
 

@@ -47,3 +47,23 @@ def test_tile_configs_time_each_candidate_and_the_default(bench, monkeypatch):
       (8, 2, False), (tiled.DEFAULT_TILES.block, tiled.DEFAULT_TILES.group, True)]
   assert all(r["fwd_bwd_s"] > 0 and r["executed_pairs"] > 0 for r in rows) and rows[1]["vs_default"] == 1.0
   assert "(default)" in bench.tiles_table(rows)
+
+
+def test_flag_sets_are_columns_of_one_tree_each_run_under_its_flags(bench, monkeypatch):
+  seen = []
+
+  def fake_child(tree, stack, impl, reps, seed, rel_bias=True, xla_flags=None):
+    seen.append(xla_flags)
+    step = 0.02 if xla_flags else 0.04
+    return {"step_s": step, "tokens_per_s": 100 / step, "model_flops_per_s": 1.0, "pct_of_gemm_peak": 1.0,
+            "compile_s": 1.0, "gemm_peak_flops_per_s": 1e9}
+
+  monkeypatch.setattr(bench, "run_child", fake_child)
+  sets = {"default": "", "ynn_dot": "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+  result = bench.compare({"this": "."}, ["S"], ["xla"], reps=1, rounds=2, seed=0, flag_sets=sets, log=lambda s: None)
+  assert sorted(seen) == sorted(["", sets["ynn_dot"]] * 2) and list(result["trees"]) == ["default", "ynn_dot"]
+  assert result["medians"]["S/xla"]["ynn_dot"]["step_s"] == 0.02
+  table = bench.table(result)
+  assert "ynn_dot" in table and "2.00x" in table
+  with pytest.raises(ValueError, match="flag sets are compared within one tree"):
+    bench.compare({"this": ".", "baseline": "/tmp"}, ["S"], ["xla"], reps=1, rounds=1, seed=0, flag_sets=sets)

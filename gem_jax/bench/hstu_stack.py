@@ -178,9 +178,12 @@ def tiles_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def run_child(tree: str, stack: str, impl: str, reps: int, seed: int, rel_bias: bool = True) -> dict:
-  """child() in a fresh process with `tree`'s gem_jax first on the path."""
+def run_child(tree: str, stack: str, impl: str, reps: int, seed: int, rel_bias: bool = True,
+              xla_flags: str | None = None) -> dict:
+  """child() in a fresh process with `tree`'s gem_jax first on the path (and XLA_FLAGS=`xla_flags` if given)."""
   env = dict(os.environ, GEM_JAX_TREE=os.path.abspath(tree), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+  if xla_flags is not None:
+    env["XLA_FLAGS"] = xla_flags
   cmd = [sys.executable, SCRIPT, "--child", stack, impl, "--reps", str(reps), "--seed", str(seed),
          *([] if rel_bias else ["--no-rel-bias"])]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -190,25 +193,52 @@ def run_child(tree: str, stack: str, impl: str, reps: int, seed: int, rel_bias: 
 
 
 def compare(trees: dict[str, str], stacks, impls, *, reps: int, rounds: int, seed: int, rel_bias: bool = True,
-            log=print) -> dict:
-  """Every (stack, impl) in every tree, `rounds` fresh processes each, alternating the trees' order."""
+            flag_sets: dict[str, str] | None = None, log=print) -> dict:
+  """Every (stack, impl) in every tree, `rounds` fresh processes each, alternating the trees' order.
+  flag_sets: {name: XLA_FLAGS} (gem_jax/bench/xla_flags.py) to compare instead of trees: one tree, each set
+  a column of its own (named by the set)."""
+  if flag_sets:
+    if len(trees) != 1:
+      raise ValueError("compare: flag sets are compared within one tree; got trees " + ", ".join(trees))
+    tree = next(iter(trees.values()))
+    columns = {name: (tree, flags) for name, flags in flag_sets.items()}
+  else:
+    columns = {name: (path, None) for name, path in trees.items()}
   runs: dict[str, list[dict]] = {}
   for stack in stacks:
     for impl in impls:
       for r in range(rounds):
-        for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-          rec = {"tree": name, "round": r, **run_child(trees[name], stack, impl, reps, seed, rel_bias)}
+        for name in (list(columns) if r % 2 == 0 else list(columns)[::-1]):
+          path, flags = columns[name]
+          rec = {"tree": name, "round": r, **run_child(path, stack, impl, reps, seed, rel_bias, flags)}
           runs.setdefault(f"{stack}/{impl}", []).append(rec)
           log(f"{stack}/{impl} {name} round {r}: {1e3 * rec['step_s']:.1f} ms, {rec['tokens_per_s']:,.0f} tokens/s, "
               f"{rec['pct_of_gemm_peak']:.1f}% of a {rec['gemm_peak_flops_per_s'] / 1e9:.0f} GFLOP/s GEMM")
   medians = {key: {name: {k: statistics.median(r[k] for r in rs if r["tree"] == name)
                           for k in ("step_s", "tokens_per_s", "model_flops_per_s", "pct_of_gemm_peak", "compile_s")}
-                   for name in trees} for key, rs in runs.items()}
-  return {"trees": trees, "stacks": {s: STACKS[s] for s in stacks}, "reps": reps, "rounds": rounds, "seed": seed,
+                   for name in columns} for key, rs in runs.items()}
+  return {"trees": {name: path for name, (path, _) in columns.items()}, "flag_sets": flag_sets or {},
+          "stacks": {s: STACKS[s] for s in stacks}, "reps": reps, "rounds": rounds, "seed": seed,
           "rel_bias": rel_bias, "runs": runs, "medians": medians}
 
 
+def flags_table(result: dict) -> str:
+  """A compare() over flag sets: one line per (stack, impl, set), its step time against the first set's."""
+  sets = list(result["trees"])
+  lines = [f"{'stack':5} {'impl':9} {'flags':18} {'step ms':>9} {'tok/s':>10} {'%GEMM':>6} {'vs ' + sets[0]:>12}"]
+  for key, per_set in result["medians"].items():
+    stack, impl = key.split("/")
+    base = per_set[sets[0]]["step_s"]
+    for name in sets:
+      m = per_set[name]
+      lines.append(f"{stack:5} {impl:9} {name:18} {1e3 * m['step_s']:9.1f} {m['tokens_per_s']:10,.0f} "
+                   f"{m['pct_of_gemm_peak']:6.1f} {base / m['step_s']:11.2f}x")
+  return "\n".join(lines)
+
+
 def table(result: dict) -> str:
+  if result.get("flag_sets"):
+    return flags_table(result)
   trees = list(result["trees"])
   head = f"{'stack':5} {'impl':9} " + " ".join(f"{t + ' step ms':>16} {t + ' tok/s':>14} {'%GEMM':>6}" for t in trees)
   if len(trees) > 1:
