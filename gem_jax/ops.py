@@ -176,11 +176,12 @@ def jagged_softmax_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq
   see pallas_kernels/jagged_softmax_attention/reference.py.
 
   block: the tile edge of the `xla` impl's loop (None: softmax_tiled.BLOCK, 16). Short rows want small
-  tiles and long ones large: 16 is best on rows of at most 50 tokens, 64 on rows of up to 200
-  (README, sequential recommendation). Other impls refuse it."""
+  tiles and long ones large: 16 is best on rows of at most 50 tokens, 32-64 on rows of up to 200
+  (README, sequential recommendation). A named other impl refuses it; "auto" resolved to another impl (the
+  GPU's pallas) ignores it, so a config that sets it for the CPU path still runs on a GPU."""
   fn = _resolve(impl, _SOFTMAX_IMPLS, "jagged_softmax_attention")
   extra = {}
-  if block is not None:
+  if block is not None and (impl != "auto" or fn is softmax_tiled.jagged_softmax_attention):
     if fn is not softmax_tiled.jagged_softmax_attention:
       raise ValueError(f"jagged_softmax_attention: block={block} is a setting of the 'xla' impl, not of "
                        f"{_auto(impl)!r}")

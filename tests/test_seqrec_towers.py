@@ -103,7 +103,7 @@ def test_softmax_blocks_match_a_dense_computation_row_by_row(arch, normalize, po
   assert 0.1 < zeroed.mean() < 0.5
 
 
-def test_tower_settings_are_checked():
+def test_tower_settings_are_checked(monkeypatch):
   with pytest.raises(ValueError, match="arch must be one of"):
     SeqRecModelConfig(arch="bert4rec")
   with pytest.raises(ValueError, match="positions must be 'from_start' or 'from_end'"):
@@ -134,6 +134,13 @@ def test_tower_settings_are_checked():
   with pytest.raises(ValueError, match="block=32 is a setting of the 'xla' impl, not of 'reference'"):
     ops.jagged_softmax_attention(*(jnp.zeros((4, 1, 2)),) * 3, jnp.array([0, 4]), max_seq_len=4, scale=1.0,
                                  impl="reference", block=32)
+  # On a GPU "auto" resolves to pallas, which has no such block: a preset's block is dropped, not refused.
+  seen = {}
+  monkeypatch.setitem(ops._SOFTMAX_IMPLS, "pallas", lambda *a, **kw: seen.update(kw) or a[2])
+  monkeypatch.setattr(ops.runtime, "platform", lambda: "gpu")
+  ops.jagged_softmax_attention(*(jnp.zeros((4, 1, 2)),) * 3, jnp.array([0, 4]), max_seq_len=4, scale=1.0, block=32)
+  assert seen and "block" not in seen
+  monkeypatch.undo()
   tiled = SeqRecModel(SeqRecModelConfig(dim=8, head_dim=4, value_dim=4, attn_tiles="64x8"), 5, rngs=nnx.Rngs(0))
   assert tiled.layers[0].attn_tiles == ops.TileConfig(64, 8)
   with pytest.raises(ValueError, match="attn_tiles must be 'default', 'auto'"):
