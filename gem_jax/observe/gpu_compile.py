@@ -110,7 +110,9 @@ def compile_for(cfg, *, target: str | target_lib.Target | None = None, programs=
       "config": cfg.name, "mesh": spec.name, "mesh_file": str(cfg.mesh), "target": tgt.name, "device": tgt.device,
       "topology": target_lib.topology(spec), "devices": spec.num_devices, "jax": jax.__version__,
       "hbm_bytes": spec.hardware.hbm_bytes, "device_memory_bytes": tgt.device_memory_bytes,
-      "attn_impl": cfg.model.hstu.attn_impl, "precision_policy": cfg.model.precision.policy,
+      # A next-item model (SeqRecModelConfig) has its attention impl at the top and no precision policy.
+      "attn_impl": getattr(cfg.model, "hstu", cfg.model).attn_impl,
+      "precision_policy": getattr(getattr(cfg.model, "precision", None), "policy", None),
       "embedding_update": cfg.train.embedding_update, "compiler_options": dict(compiler_options or {}),
       "build_s": build_s, "programs": {}, "kernels": [],
       "fp8": {"sites": len(sites), "site_names": sites, "gemms": None, "by_program": {}, "by_site": {},
