@@ -171,21 +171,22 @@ def hstu_attention_query_block(q_QxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, q_start,
 
 def jagged_softmax_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int, scale: float,
                              causal: bool = True, num_targets=None, max_attn_len: int = 0,
-                             contextual_seq_len: int = 0, impl: str = "auto", block: int | None = None):
+                             contextual_seq_len: int = 0, impl: str = "auto", block: int | None = None,
+                             group: int | None = None):
   """Softmax attention over jagged rows with the HSTU mask semantics (InterFormer-style sequence arches);
   see pallas_kernels/jagged_softmax_attention/reference.py.
 
-  block: the tile edge of the `xla` impl's loop (None: softmax_tiled.BLOCK, 16). Short rows want small
-  tiles and long ones large: 16 is best on rows of at most 50 tokens, 32-64 on rows of up to 200
-  (README, sequential recommendation). A named other impl refuses it; "auto" resolved to another impl (the
-  GPU's pallas) ignores it, so a config that sets it for the CPU path still runs on a GPU."""
+  block, group: the tile edge and the tiles per loop step of the `xla` impl (None: softmax_tiled.BLOCK and
+  GROUP). Short rows want small tiles and long ones large (README, sequential recommendation). A named other
+  impl refuses them; "auto" resolved to another impl (the GPU's pallas) ignores them, so a config that sets
+  them for the CPU path still runs on a GPU."""
   fn = _resolve(impl, _SOFTMAX_IMPLS, "jagged_softmax_attention")
-  extra = {}
-  if block is not None and (impl != "auto" or fn is softmax_tiled.jagged_softmax_attention):
-    if fn is not softmax_tiled.jagged_softmax_attention:
-      raise ValueError(f"jagged_softmax_attention: block={block} is a setting of the 'xla' impl, not of "
-                       f"{_auto(impl)!r}")
-    extra = {"block": block}
+  extra = {name: value for name, value in (("block", block), ("group", group)) if value is not None}
+  if extra and fn is not softmax_tiled.jagged_softmax_attention:
+    if impl != "auto":
+      raise ValueError(f"jagged_softmax_attention: {', '.join(f'{k}={v}' for k, v in extra.items())} is a setting "
+                       f"of the 'xla' impl, not of {_auto(impl)!r}")
+    extra = {}
   if _counted("softmax", impl, q_TxHxD, v_TxHxDv, max_seq_len, contextual_seq_len):
     return jax.numpy.zeros_like(v_TxHxDv)
   return fn(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, max_seq_len=max_seq_len, scale=scale, causal=causal,

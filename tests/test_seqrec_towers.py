@@ -129,24 +129,26 @@ def test_tower_settings_are_checked(monkeypatch):
   assert raw.layers[0].qk_scale == 1.0
   with pytest.raises(ValueError, match="qk_scale must be >= 0"):
     SeqRecModelConfig(qk_scale=-1.0).hstu_model_config()
-  with pytest.raises(ValueError, match="attn_block must be >= 0"):
-    SeqRecModelConfig(attn_block=-1)
-  with pytest.raises(ValueError, match="block=32 is a setting of the 'xla' impl, not of 'reference'"):
+  for field in ("attn_block", "attn_group"):
+    with pytest.raises(ValueError, match="attn_block and attn_group must be >= 0"):
+      SeqRecModelConfig(**{field: -1})
+  with pytest.raises(ValueError, match="block=32, group=4 is a setting of the 'xla' impl, not of 'reference'"):
     ops.jagged_softmax_attention(*(jnp.zeros((4, 1, 2)),) * 3, jnp.array([0, 4]), max_seq_len=4, scale=1.0,
-                                 impl="reference", block=32)
+                                 impl="reference", block=32, group=4)
   # On a GPU "auto" resolves to pallas, which has no such block: a preset's block is dropped, not refused.
   seen = {}
   monkeypatch.setitem(ops._SOFTMAX_IMPLS, "pallas", lambda *a, **kw: seen.update(kw) or a[2])
   monkeypatch.setattr(ops.runtime, "platform", lambda: "gpu")
-  ops.jagged_softmax_attention(*(jnp.zeros((4, 1, 2)),) * 3, jnp.array([0, 4]), max_seq_len=4, scale=1.0, block=32)
-  assert seen and "block" not in seen
+  ops.jagged_softmax_attention(*(jnp.zeros((4, 1, 2)),) * 3, jnp.array([0, 4]), max_seq_len=4, scale=1.0, block=32,
+                               group=4)
+  assert seen and "block" not in seen and "group" not in seen
   monkeypatch.undo()
   tiled = SeqRecModel(SeqRecModelConfig(dim=8, head_dim=4, value_dim=4, attn_tiles="64x8"), 5, rngs=nnx.Rngs(0))
   assert tiled.layers[0].attn_tiles == ops.TileConfig(64, 8)
   with pytest.raises(ValueError, match="attn_tiles must be 'default', 'auto'"):
     SeqRecModelConfig(attn_tiles="64").hstu_model_config()
-  blocked = SeqRecModel(SeqRecModelConfig(dim=8, arch="sasrec", attn_block=32), 5, rngs=nnx.Rngs(0))
-  assert blocked.layers[0].attn_block == 32
+  blocked = SeqRecModel(SeqRecModelConfig(dim=8, arch="sasrec", attn_block=32, attn_group=4), 5, rngs=nnx.Rngs(0))
+  assert (blocked.layers[0].attn_block, blocked.layers[0].attn_group) == (32, 4)
   assert configs.seqrec("ml-1m", tower="sasrec-ss").model.attn_block == 32
   assert configs.seqrec("beauty", tower="sasrec-ss").model.attn_block == 0
 

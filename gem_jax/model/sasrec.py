@@ -36,15 +36,16 @@ class SoftmaxBlock(nnx.Module):
   """One SASRec or eSASRec block (module docstring); `site` names its Dense layers."""
 
   def __init__(self, arch: str, cfg: ModelConfig, max_seq_len: int, *, ffn_multiplier: int, dropout_rate: float,
-               attn_impl: str, site: str, rngs: nnx.Rngs, attn_block: int = 0):
-    """attn_block: the xla softmax loop's tile edge (0: its default)."""
+               attn_impl: str, site: str, rngs: nnx.Rngs, attn_block: int = 0, attn_group: int = 0):
+    """attn_block, attn_group: the xla softmax loop's tile edge and tiles per step (0: its defaults)."""
     if arch not in ARCHS:
       raise ValueError(f"SoftmaxBlock: arch must be one of {ARCHS}, got {arch!r}")
     d, h = cfg.model_dim, cfg.hstu.num_heads
     if d % h:
       raise ValueError(f"SoftmaxBlock: {h} heads do not divide the width {d}")
     self.arch, self.num_heads, self.max_seq_len = arch, h, max_seq_len
-    self.dropout_rate, self.attn_impl, self.attn_block = dropout_rate, attn_impl, attn_block or None
+    self.dropout_rate, self.attn_impl = dropout_rate, attn_impl
+    self.attn_block, self.attn_group = attn_block or None, attn_group or None
     f = ffn_multiplier * d
     dense = lambda n_in, n_out, name, **kw: Dense(n_in, n_out, ("embed", "mlp"), cfg, site=f"{site}.{name}",
                                                   rngs=rngs, **kw)
@@ -65,7 +66,7 @@ class SoftmaxBlock(nnx.Module):
     heads = lambda x: x.reshape(t, h, d // h)
     out = ops.jagged_softmax_attention(heads(self.q(q_TxD)), heads(k_TxD), heads(v_TxD), offsets,
                                        max_seq_len=self.max_seq_len, scale=(d // h) ** -0.5, causal=True,
-                                       impl=self.attn_impl, block=self.attn_block)
+                                       impl=self.attn_impl, block=self.attn_block, group=self.attn_group)
     return self.attn_out(out.reshape(t, d))
 
   def __call__(self, x: Jagged, *, dropout_rng=None) -> Jagged:

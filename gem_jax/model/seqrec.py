@@ -49,6 +49,7 @@ class SeqRecModelConfig:
   attn_impl: str = "auto"     # gem_jax.ops attention impl
   attn_tiles: str = "default"  # hstu, impl xla: the tiled loop's "<block>x<group>", "auto" or "default"
   attn_block: int = 0         # sasrec / esasrec, impl xla: the softmax loop's tile edge; 0: its default (16)
+  attn_group: int = 0         # sasrec / esasrec, impl xla: the softmax loop's tiles per step; 0: its default (8)
   arch: str = "hstu"          # "hstu", "sasrec" or "esasrec" (module docstring)
   ffn_multiplier: int = 1     # sasrec / esasrec: feed-forward width = ffn_multiplier * dim
   normalize: bool = True      # L2-normalize user and item embeddings (False: raw dot products, as SASRec)
@@ -67,8 +68,9 @@ class SeqRecModelConfig:
       raise ValueError(f"SeqRecModelConfig: positions must be 'from_start' or 'from_end', got {self.positions!r}")
     if self.ffn_multiplier < 1:
       raise ValueError(f"SeqRecModelConfig: ffn_multiplier must be >= 1, got {self.ffn_multiplier}")
-    if self.attn_block < 0:
-      raise ValueError(f"SeqRecModelConfig: attn_block must be >= 0 (0: the kernel's default), got {self.attn_block}")
+    if self.attn_block < 0 or self.attn_group < 0:
+      raise ValueError(f"SeqRecModelConfig: attn_block and attn_group must be >= 0 (0: the kernel's default), got "
+                       f"{self.attn_block} and {self.attn_group}")
     if min(self.dim, self.num_layers, self.num_heads, self.head_dim, self.value_dim, self.max_len) < 1:
       raise ValueError(f"SeqRecModelConfig: sizes must be positive: {self}")
     if not 0.0 <= self.dropout_rate < 1.0:
@@ -116,7 +118,7 @@ class SeqRecModel(nnx.Module):
     else:
       self.layers = nnx.List([sasrec.SoftmaxBlock(cfg.arch, mcfg, cfg.max_len, ffn_multiplier=cfg.ffn_multiplier,
                                                   dropout_rate=cfg.dropout_rate, attn_impl=cfg.attn_impl,
-                                                  attn_block=cfg.attn_block, site=f"layers.{i}", rngs=rngs)
+                                                  attn_block=cfg.attn_block, attn_group=cfg.attn_group, site=f"layers.{i}", rngs=rngs)
                               for i in range(cfg.num_layers)])
     self.final_norm = LayerNorm(cfg.dim, mcfg, rngs=rngs) if cfg.arch == "sasrec" else None
 
