@@ -56,10 +56,9 @@ def model_flops(stack: dict, lengths_B) -> float:
   return 3.0 * stack["layers"] * per_layer
 
 
-def child(stack_name: str, impl: str, reps: int, seed: int, rel_bias: bool = True) -> dict:
-  """One (stack, impl) in this process with the gem_jax first on sys.path: build, compile, time. rel_bias=False:
-  layers without the relative position bias (model.hstu.rel_pos_buckets=0; a tree older than that setting
-  refuses it)."""
+def build_step(stack_name: str, impl: str, seed: int, rel_bias: bool = True):
+  """(jitted step(params, opt_state, x) -> (params, opt_state, loss), (params, opt_state, x), lengths): one
+  stack's training step and its inputs (child() times it; experiments/profile_step.py --stack profiles it)."""
   import dataclasses
 
   import jax
@@ -68,8 +67,6 @@ def child(stack_name: str, impl: str, reps: int, seed: int, rel_bias: bool = Tru
   import optax
   from flax import nnx
 
-  import gem_jax
-  from gem_jax.bench import timing
   from gem_jax.jagged import Jagged
   from gem_jax.model.config import HSTUConfig, ModelConfig
   from gem_jax.model.hstu import HSTULayer
@@ -114,6 +111,23 @@ def child(stack_name: str, impl: str, reps: int, seed: int, rel_bias: bool = Tru
     updates, s = opt.update(g, s, p)
     return optax.apply_updates(p, updates), s, loss
 
+  return step, (params, opt_state, x), lens
+
+
+def child(stack_name: str, impl: str, reps: int, seed: int, rel_bias: bool = True) -> dict:
+  """One (stack, impl) in this process with the gem_jax first on sys.path: build, compile, time. rel_bias=False:
+  layers without the relative position bias (model.hstu.rel_pos_buckets=0; a tree older than that setting
+  refuses it)."""
+  import jax
+  import jax.numpy as jnp
+
+  import gem_jax
+  from gem_jax.bench import timing
+
+  stack = STACKS[stack_name]
+  step, (params, opt_state, x), lens = build_step(stack_name, impl, seed, rel_bias)
+  tokens = int(lens.sum())
+  capacity = x.capacity
   t0 = time.perf_counter()
   compiled = step.lower(params, opt_state, x).compile()
   compile_s = time.perf_counter() - t0

@@ -55,6 +55,9 @@ def sharded(init, names: Sequence[str | None]):
 
 
 FP8_SCOPE = "fp8_site="
+# Every Dense call runs under this scope with its site, so a compiled program's ops (and a profile's rows:
+# gem_jax/observe/op_profile.py) name the layer they belong to.
+SITE_SCOPE = "site="
 
 
 class Dense(nnx.Linear):
@@ -96,6 +99,10 @@ class Dense(nnx.Linear):
     return y
 
   def __call__(self, x):
+    with jax.named_scope(f"{SITE_SCOPE}{self.site}"):
+      return self._call(x)
+
+  def _call(self, x):
     recipe = policy.recipe_at_call(self.site, self.recipe)
     if self.kernel.shape[0] == self.in_features:
       y = self._matmul(x, recipe)

@@ -71,7 +71,7 @@ def classify(planes) -> dict | None:
   return {"compute_ns": compute, "collective_ns": collective, "events": count, "source": source}
 
 
-def _options():
+def trace_options():
   """Device and XLA op events only. The Python tracer records every Python call made while the window is
   open, which `classify` never reads; without it the tiny cpu_8 run (3-step window) took 93 s instead of
   108 s."""
@@ -90,7 +90,7 @@ class StepTrace:
 
   def start(self) -> None:
     try:
-      jax.profiler.start_trace(self.directory, profiler_options=_options())
+      jax.profiler.start_trace(self.directory, profiler_options=trace_options())
       self.active = True
     except Exception as e:  # a profiler already running (user's own trace), or no profiler support
       self.error = f"jax.profiler.start_trace failed: {type(e).__name__}: {e}"
