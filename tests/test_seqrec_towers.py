@@ -234,6 +234,29 @@ def test_seed_summary_is_the_mean_and_sample_std_of_the_runs():
   assert seqrec_results.seed_summary(runs[:1])["test"]["std"] == {"hr@10": 0.0, "ndcg@10": 0.0}
 
 
+def test_curves_read_every_evaluation_of_finished_and_unfinished_runs(tmp_path):
+  def run(name, evals):
+    folder = tmp_path / name
+    folder.mkdir()
+    lines = [{"loss": 9.0, "step": 50}]   # training records carry no epoch: skipped
+    lines += [{"eval_step": 10 * e, "epoch": e, "valid/HR@10": hr, "valid/NDCG@10": hr / 2, "valid/HR@50": 1.0}
+              for e, hr in evals]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(folder)
+
+  got = seqrec_results.curves({"preset": run("a", [(5, .10), (10, .20), (15, .25)]), "cut": run("b", [(5, .12)])})
+  assert got == {"preset": {5: {"HR@10": .10, "NDCG@10": .05}, 10: {"HR@10": .20, "NDCG@10": .10},
+                            15: {"HR@10": .25, "NDCG@10": .125}},
+                 "cut": {5: {"HR@10": .12, "NDCG@10": .06}}}
+  table = seqrec_results.curves_markdown(got, "HR@10").splitlines()
+  assert table[0] == "| epoch | preset | cut |"
+  assert table[2] == "| 5 | 0.1000 | 0.1200 |" and table[3] == "| 10 | 0.2000 |  |"
+  with pytest.raises(ValueError, match="no validation records"):
+    seqrec_results.curves({"x": run("c", [])})
+  with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+    seqrec_results.curves({"x": str(tmp_path / "missing")})
+
+
 @pytest.mark.slow
 def test_seeds_train_apart_and_a_finished_seed_is_read_not_retrained(tmp_path):
   cfg = _toy_cfg(tmp_path, "train.epochs=2", "train.eval_every_epochs=1", "train.patience=0")

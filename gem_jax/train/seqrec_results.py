@@ -5,6 +5,8 @@ and an ablation table that says what each run changed against its dataset's pres
   ablation_rows(run_dirs)       one row per run folder: the config fields that differ from its tower's preset, the
                                 kept evaluation's validation metrics, epochs and wall time
   markdown(rows)                the rows as a README table
+  curves(runs)                  validation metrics at every evaluated epoch of labelled run folders, finished or
+                                not (curves_markdown: an epoch x run table), to compare runs cut short for time
 
 Ablations are compared on validation only (the test split of each run is read once, at its end); a row
 carries its test metrics so that the chosen run's can be reported, not to choose by.
@@ -90,4 +92,36 @@ def markdown(rows: list[dict], metrics=SEED_METRICS) -> str:
     change = ", ".join(f"{k}={v}" for k, v in r["changes"].items()) or "(the preset)"
     lines.append(f"| {r['run']} | {r['tower']} | {change} | " + " | ".join(f"{r['valid'][m]:.4f}" for m in metrics) +
                  f" | {r['epochs']} ({r['kept_epoch']}) | {r['wall_s']} |")
+  return "\n".join(lines)
+
+
+def curves(runs: dict[str, str], metrics=SEED_METRICS) -> dict[str, dict[int, dict[str, float]]]:
+  """label -> {epoch: {metric: validation value}} from each run folder's metrics.jsonl (every evaluation the
+  run logged, so an unfinished or stopped run counts too): runs cut short for time are compared at equal
+  epochs. A folder without metrics.jsonl, or without any evaluation in it, raises."""
+  out = {}
+  for label, run_dir in runs.items():
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"{path}: no metrics.jsonl")
+    points = {}
+    with open(path) as f:
+      for line_no, line in enumerate(f, 1):
+        record = json.loads(line)
+        if "epoch" in record and all(f"valid/{m}" in record for m in metrics):
+          points[int(record["epoch"])] = {m: float(record[f"valid/{m}"]) for m in metrics}
+    if not points:
+      raise ValueError(f"{path}: no validation records ({', '.join('valid/' + m for m in metrics)} with an epoch)")
+    out[label] = points
+  return out
+
+
+def curves_markdown(curves_by_label: dict[str, dict[int, dict[str, float]]], metric: str) -> str:
+  """One row per evaluated epoch, one column per run ("" where a run has no evaluation at that epoch)."""
+  labels = list(curves_by_label)
+  epochs = sorted({e for points in curves_by_label.values() for e in points})
+  lines = [f"| epoch | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
+  for e in epochs:
+    cells = [f"{curves_by_label[k][e][metric]:.4f}" if e in curves_by_label[k] else "" for k in labels]
+    lines.append(f"| {e} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
