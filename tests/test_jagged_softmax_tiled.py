@@ -66,9 +66,8 @@ def tiled_fn(*args, group=tiled.GROUP, **kwargs):
   return tiled.jagged_softmax_attention(*args, block=BLOCK, group=group, **kwargs)
 
 
-# One tile per step; 3, which leaves the last step partial (padding tiles, all masked) on five of the six
-# cases; the default.
-@pytest.mark.parametrize("group", [1, 3, tiled.GROUP])
+# 3 leaves the last step partial (padding tiles, all masked) on five of the six cases; 8 is the default.
+@pytest.mark.parametrize("group", [3, tiled.GROUP])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_f32_forward_and_grads_match_reference(case, group):
   args, offsets_Bp1, cot, kwargs = _inputs(case, jnp.float32)
