@@ -12,6 +12,7 @@ every evaluated epoch, with this command.
 import argparse
 import json
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
       json.dump({"runs": {k: {"folder": runs[k],
                               "valid": {str(e): v for e, v in sorted(points.items())}} for k, points in found.items()},
-                 "command": "python experiments/seqrec_curves.py " + " ".join(args.runs)}, f, indent=1)
+                 "command": shlex.join(["python", "experiments/seqrec_curves.py", *args.runs])}, f, indent=1)
   return 0
 
 

@@ -67,18 +67,18 @@ def test_a_traced_loop_gives_its_time_to_the_body_line(tmp_path):
   assert all(r["share"] < top["share"] for r in loop_rows)
 
 
-@pytest.mark.slow
-def test_the_script_profiles_a_config(tmp_path):
+def test_the_script_profiles_a_step(tmp_path):
+  """Stack S of bench_hstu_stack.py: seconds to build and compile, where a config's full model takes a minute."""
   out = tmp_path / "prof.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "profile_step.py"), "--config", "tiny",
-                         "--warmup", "1", "--steps", "1", "--top", "5", "--out", str(out)],
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "profile_step.py"), "--stack", "S",
+                         "--warmup", "0", "--steps", "1", "--top", "5", "--out", str(out)],
                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "ms/step" in proc.stdout and "by pass:" in proc.stdout
   rows = json.loads(out.read_text())["rows"]
   assert rows and rows[0]["ms_per_step"] > 0
-  # The HSTU attention is the tiny model's biggest place; its loops live in pallas_kernels.
+  # The HSTU attention is the stack's biggest place; its loops live in pallas_kernels.
   assert any(r["place"].startswith("pallas_kernels/hstu_attention/") for r in rows[:5]), rows[:5]
 
 
