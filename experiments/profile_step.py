@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     jax.block_until_ready(run_step(i))
     walls.append(time.perf_counter() - t)
   jax.profiler.stop_trace()
-  path = op_profile.latest_trace(trace_dir)
+  path = profile.latest_trace(trace_dir)
   if path is None:
     print(f"no trace written under {trace_dir}", file=sys.stderr)
     return 1

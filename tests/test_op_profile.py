@@ -55,7 +55,7 @@ def test_a_traced_loop_gives_its_time_to_the_body_line(tmp_path):
   for _ in range(3):
     jax.block_until_ready(compiled(w, x))
   jax.profiler.stop_trace()
-  busy = op_profile.exclusive_busy(jax.profiler.ProfileData.from_file(op_profile.latest_trace(str(tmp_path))).planes)
+  busy = op_profile.exclusive_busy(jax.profiler.ProfileData.from_file(profile.latest_trace(str(tmp_path))).planes)
   assert busy and all(name in ops for name in busy)
   rows = op_profile.attribute(busy, ops, steps=3)
   assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-9

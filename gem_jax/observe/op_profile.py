@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import glob
 import os
 import re
 
-from gem_jax.observe import hlo
+from gem_jax.observe import hlo, profile
 from gem_jax.observe.profile import COLLECTIVE_RE
 
 _TABLE = re.compile(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\s*$")
@@ -36,8 +35,6 @@ _FIELDS = re.compile(r"(\w+)=(-?\d+)")
 _SITE = re.compile(r"(?<![\w])(?:fp8_)?(site|table)=([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
-_HLO_EVENT = re.compile(r"^[a-z][a-z0-9_\-]*(\.\d+)*$")
-_HOST_XLA_LINE = re.compile(r"^tf_XLA(Eigen|Cpu|PjRtCpuClient)")
 ROOTS = ("gem_jax", "pallas_kernels", "experiments")
 
 
@@ -137,25 +134,14 @@ def _exclusive(events) -> dict[str, int]:
 
 
 def exclusive_busy(planes) -> dict[str, int]:
-  """HLO instruction name -> exclusive busy ns summed over the trace's XLA lines (device lines on a GPU,
-  the XLA worker threads on the CPU, where only events named like an HLO instruction count)."""
-  planes = list(planes)   # ProfileData hands out a one-pass iterator
-  device = [line for p in planes if p.name.startswith("/device:") for line in p.lines if line.name == "XLA Ops"]
-  keep = lambda name: True
-  if not device:
-    device = [line for p in planes if p.name.startswith("/host:") for line in p.lines
-              if _HOST_XLA_LINE.match(line.name)]
-    keep = _HLO_EVENT.match
+  """HLO instruction name -> exclusive busy ns summed over the trace's XLA lines (profile.xla_lines: device
+  lines on a GPU, the XLA worker threads on the CPU, where only events named like an HLO instruction count)."""
+  lines, keep, _ = profile.xla_lines(planes)
   total: dict[str, int] = collections.Counter()
-  for line in device:
+  for line in lines:
     for name, ns in _exclusive([e for e in line.events if keep(e.name)]).items():
       total[name] += ns
   return total
-
-
-def latest_trace(directory: str) -> str | None:
-  files = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
-  return files[-1] if files else None
 
 
 def place_of(op: HloOp | None, name: str) -> str:

@@ -47,19 +47,30 @@ def _top_level(events, keep=lambda name: True):
   return out
 
 
+def xla_lines(planes):
+  """(lines, keep, source): the trace lines that hold XLA's op events (the device "XLA Ops" lines, else the
+  host's XLA worker threads), which event names on them are ops (`keep`), and a name for that choice."""
+  planes = list(planes)   # ProfileData hands out a one-pass iterator
+  device = [line for p in planes if p.name.startswith("/device:") for line in p.lines if line.name == "XLA Ops"]
+  if device:
+    return device, lambda name: True, "device XLA Ops lines"
+  host = [line for p in planes if p.name.startswith("/host:") for line in p.lines if _HOST_XLA_LINE.match(line.name)]
+  return host, _HLO_NAME.match, "host XLA worker threads"
+
+
+def latest_trace(directory: str) -> str | None:
+  """The newest *.xplane.pb under `directory`, or None."""
+  files = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+  return files[-1] if files else None
+
+
 def classify(planes) -> dict | None:
   """{"compute_ns", "collective_ns", "events", "source"} summed over the XLA lines of `planes`."""
-  device = [(p, line) for p in planes if p.name.startswith("/device:")
-            for line in p.lines if line.name == "XLA Ops"]
-  source, keep = "device XLA Ops lines", lambda name: True
-  if not device:
-    device = [(p, line) for p in planes if p.name.startswith("/host:")
-              for line in p.lines if _HOST_XLA_LINE.match(line.name)]
-    source, keep = "host XLA worker threads", _HLO_NAME.match
-  if not device:
+  lines, keep, source = xla_lines(planes)
+  if not lines:
     return None
   compute = collective = count = 0
-  for _, line in device:
+  for line in lines:
     for name, dur in _top_level(list(line.events), keep):
       count += 1
       if COLLECTIVE_RE.search(name):
@@ -104,16 +115,15 @@ class StepTrace:
     """Per-device seconds per step in compute and in collectives; None (and self.error) if unavailable."""
     if self.error:
       return None
-    files = sorted(glob.glob(os.path.join(self.directory, "**", "*.xplane.pb"), recursive=True),
-                   key=os.path.getmtime)
-    if not files:
+    path = latest_trace(self.directory)
+    if path is None:
       self.error = f"no *.xplane.pb under {self.directory}"
       return None
     try:
-      data = jax.profiler.ProfileData.from_file(files[-1])
-      counts = classify(list(data.planes))
+      data = jax.profiler.ProfileData.from_file(path)
+      counts = classify(data.planes)
     except Exception as e:  # a trace format this jax cannot read
-      self.error = f"reading {files[-1]}: {type(e).__name__}: {e}"
+      self.error = f"reading {path}: {type(e).__name__}: {e}"
       return None
     if counts is None:
       self.error = "the trace has no XLA op lines for this backend"
