@@ -111,12 +111,15 @@ def test_scatter_atomics_native_with_the_guard_and_a_cas_loop_without(two_hosts,
 
 def test_a_next_item_config_compiles_for_a_gpu_with_the_chunked_loss_and_a_cpu_tile_setting(tmp_path):
   """The next-item task (SeqRecModelConfig, no precision policy) through compile_for: SASRec with a softmax
-  block set for the CPU loop, which the GPU's Pallas kernel must drop, and the chunked full softmax."""
+  block set for the CPU loop, which the GPU's Pallas kernel must drop, and the chunked full softmax. Its
+  eval program reads validation batches (targets and an exclusion mask), not training ones."""
   from tests.data_helpers import toy_u_data
   cfg = apply_overrides(configs.seqrec("ml-100k", quick=True), [
       "mesh=meshes/h200_1.yaml", f"data.data_dir={toy_u_data(tmp_path)}", "data.batch_size=8",
       "data.token_multiple=64", "model.arch=sasrec", "model.attn_block=8", "task.loss=full_softmax"])
-  report = gpu_compile.compile_for(cfg, programs=("train",), simulate=False)
-  assert report["programs"]["train"]["compiled"], report["programs"]["train"]
+  report = gpu_compile.compile_for(cfg, programs=("train", "eval"), simulate=False)
+  for program in ("train", "eval"):
+    assert report["programs"][program]["compiled"], report["programs"][program]
+    assert any(k["name"].startswith("jagged_softmax_attention") and k["program"] == program
+               for k in report["kernels"]), (program, report["kernels"])
   assert report["precision_policy"] is None and report["attn_impl"] == "auto"
-  assert any(k["name"].startswith("jagged_softmax_attention") for k in report["kernels"]), report["kernels"]

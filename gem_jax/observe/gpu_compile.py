@@ -103,7 +103,10 @@ def compile_for(cfg, *, target: str | target_lib.Target | None = None, programs=
   run = build(cfg, target=target)
   tgt = target_lib.of(run.mesh, run.mesh_spec)
   build_s = time.perf_counter() - t0
-  batch = run.batch_struct(run.source.first_batch())
+  first = run.source.first_batch()
+  batch = run.batch_struct(first)
+  eval_example = run.task.eval_example(first)
+  eval_batch = batch if eval_example is first else run.batch_struct(eval_example)
   state = run.abstract_state()
   sites = fp8_sites(run)
   report: dict = {
@@ -120,7 +123,7 @@ def compile_for(cfg, *, target: str | target_lib.Target | None = None, programs=
       "collectives": [], "collective_bytes_by_axis": {}, "scatter_atomics": None, "scatter_fusions": [],
   }
   lowerers = {"train": lambda: run.train_step.lower(state, batch),
-              "eval": lambda: run.eval_step.lower(state.params, batch)}
+              "eval": lambda: run.eval_step.lower(state.params, eval_batch)}
   for name in programs:
     dump = None
     if name == "train":

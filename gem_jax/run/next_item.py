@@ -245,6 +245,11 @@ class NextItem(Task):
     scores_BxI = jnp.einsum("bd,id->bi", user_TxD[last_B], model.item_table(), preferred_element_type=jnp.float32)
     return metrics.full_ranking_ranks(scores_BxI, batch.targets_B, batch.exclude_BxI)
 
+  def eval_example(self, train_batch):
+    """The validation split's first batch: evaluation reads rows with a held-out target and an exclusion
+    mask (NextItemEvalBatch), not the training batch. Never the test split, which is read once, at the end."""
+    return self.source.eval_batches("valid")[0]
+
   def evaluate(self, predictions, batches) -> dict:
     ranks = [np.asarray(r).reshape(-1)[np.asarray(b.row_mask_B).reshape(-1) > 0] for r, b in zip(predictions, batches)]
     return metrics.hit_rate_ndcg(np.concatenate(ranks), self.config.ks)

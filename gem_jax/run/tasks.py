@@ -10,6 +10,8 @@ in the test itself):
   sums(model, batch, dropout_rng)    per data shard, additive: {name: array}; the step sums them over the mesh
   loss(totals)                       (scalar loss, {metric: scalar}) from the summed totals, on device
   predict(model, batch)              what evaluation needs per example, leading dim b (on device)
+  eval_example(train_batch)          a host batch of the kind predict reads (default: the training batch;
+                                     what compile_for lowers the eval program on)
   count(batch)                       host counters of a training batch ({name: np.ndarray}, summed by the trainer)
   evaluate(predictions, batches)     host metrics of one evaluation split
   summarize(evaluations, counters)   the task's part of summary.json from the final evaluation of every
@@ -57,6 +59,10 @@ class Task:
 
   def count(self, batch) -> dict[str, np.ndarray]:
     return {}
+
+  def eval_example(self, train_batch):
+    """A host batch of the kind `predict` reads. Most tasks evaluate on batches like their training ones."""
+    return train_batch
 
   def summarize(self, evaluation: dict, counters: dict) -> dict:
     return {"eval": evaluation}
