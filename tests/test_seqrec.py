@@ -217,6 +217,65 @@ def test_sampled_softmax_loss_matches_numpy_with_accidental_hits_and_logq():
   assert got == pytest.approx(np.mean(want), rel=1e-5)
 
 
+def test_sampled_softmax_gradients_match_logsumexp_of_the_concatenated_logits():
+  """The loss adds the positive to the negatives' exp-sum without concatenating them: same value and
+  gradients as logsumexp over [pos, neg], and finite when every negative of a token is its own target."""
+  rng = np.random.default_rng(3)
+  T, D, I = 6, 5, 8
+  user = jax.numpy.asarray(rng.normal(size=(T, D)).astype(np.float32))
+  table = jax.numpy.asarray(rng.normal(size=(I + 1, D)).astype(np.float32))
+  targets = np.array([1, 4, 4, 6, 0, 2], np.int32)
+  negatives = np.array([[4, 4], [4, 4], [4, 4], [1, 2], [3, 5], [7, 2]], np.int32)   # tokens 1, 2: all masked
+  logq_neg, logq_pos = rng.normal(size=(T, 2)).astype(np.float32), rng.normal(size=T).astype(np.float32)
+
+  def concatenated(u, t):
+    pos = jax.numpy.sum(u * t[targets], -1) / 0.3 - logq_pos
+    neg = jax.numpy.einsum("td,tkd->tk", u, t[negatives]) / 0.3 - logq_neg
+    neg = jax.numpy.where(negatives == targets[:, None], -jax.numpy.inf, neg)
+    lse = jax.nn.logsumexp(jax.numpy.concatenate([pos[:, None], neg], 1), 1)
+    return jax.numpy.sum(jax.numpy.where(targets > 0, lse - pos, 0.0))
+
+  def ours(u, t):
+    return next_item.sampled_softmax_loss_sums(u, t, targets, negatives, logq_neg, logq_pos, 0.3)[0]
+
+  want = jax.value_and_grad(concatenated, argnums=(0, 1))(user, table)
+  got = jax.value_and_grad(ours, argnums=(0, 1))(user, table)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  for g, w in zip(got[1], want[1]):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  assert float(np.abs(got[1][0][1]).max()) == 0.0   # a token with only masked negatives: loss 0, no gradient
+
+
+def test_shared_negatives_read_normalized_rows_like_the_normalized_table(tmp_path):
+  """With shared negatives the task normalizes only the rows it gathers (NormalizedRows): the same loss and
+  gradients as normalizing the whole table first."""
+  from gem_jax.model.seqrec import NormalizedRows, l2_normalize
+  cfg = apply_overrides(configs.seqrec("ml-100k", quick=True), [
+      f"data.data_dir={toy_u_data(tmp_path)}", "data.batch_size=8", "data.uniform_negatives=6",
+      "data.batch_negatives=2", "data.token_multiple=64"])
+  run = build(cfg)
+  batch = run.source.first_batch()
+  model = SeqRecModel(cfg.model, run.source.num_items, rngs=nnx.Rngs(0))
+  raw = model.item_emb_IxD[...]
+  np.testing.assert_array_equal(np.asarray(NormalizedRows(raw)[batch.negatives_K]),
+                                np.asarray(l2_normalize(raw)[batch.negatives_K]))
+  key = jax.random.key(4)
+
+  def loss(m, whole):
+    if whole:   # the task's sums with the whole normalized table handed to the loss
+      m.item_table = lambda rng=None, rows_only=False: SeqRecModel.item_table(m, rng)
+    sums = run.task.sums(m, batch, key)
+    return sums["loss_sum"] / sums["tokens"]
+
+  graphdef, params = nnx.split(model)
+  grad = lambda whole: jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), whole))(params)
+  (got, g_got), (want, g_want) = grad(False), grad(True)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  for a, b in zip(jax.tree_util.tree_leaves(g_got), jax.tree_util.tree_leaves(g_want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_full_softmax_loss_matches_numpy():
   rng = np.random.default_rng(1)
   user = rng.normal(size=(4, 3)).astype(np.float32)

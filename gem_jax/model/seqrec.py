@@ -92,6 +92,18 @@ def l2_normalize(x_NxD):
   return x_NxD * jax.lax.rsqrt(jnp.maximum(jnp.sum(x_NxD * x_NxD, axis=-1, keepdims=True), L2_EPS * L2_EPS))
 
 
+class NormalizedRows:
+  """An item table read by row only: table[ids] is l2_normalize(raw[ids]), the rows of l2_normalize(raw)
+  without normalizing the items no one reads (a batch's targets and shared negatives are a few thousand rows
+  of a catalog that may hold millions)."""
+
+  def __init__(self, raw_IxD):
+    self.raw_IxD = raw_IxD
+
+  def __getitem__(self, ids):
+    return l2_normalize(self.raw_IxD[ids])
+
+
 def _dropout(x, rate: float, rng):
   if rng is None or rate == 0.0:
     return x
@@ -142,10 +154,13 @@ class SeqRecModel(nnx.Module):
     user_TxD = x.values if self.final_norm is None else self.final_norm(x.values)
     return l2_normalize(user_TxD) if self.cfg.normalize else user_TxD.astype(jnp.float32)
 
-  def item_table(self, dropout_rng=None):
+  def item_table(self, dropout_rng=None, rows_only: bool = False):
     """Output embeddings of every item, (I + 1) x D (unit rows when normalize); row 0 (padding) is not a
-    candidate. With table_dropout and a key (training), dropout on the table first."""
+    candidate. With table_dropout and a key (training), dropout on the table first. rows_only: for a reader
+    that only indexes rows (table[ids]), a table whose rows are normalized as they are gathered."""
     table_IxD = self.item_emb_IxD[...]
     if self.cfg.table_dropout and dropout_rng is not None:
       table_IxD = dropout(table_IxD, self.cfg.dropout_rate, jax.random.fold_in(dropout_rng, TABLE_STREAM))
-    return l2_normalize(table_IxD) if self.cfg.normalize else table_IxD.astype(jnp.float32)
+    if not self.cfg.normalize:
+      return table_IxD.astype(jnp.float32)
+    return NormalizedRows(table_IxD) if rows_only else l2_normalize(table_IxD)

@@ -59,7 +59,10 @@ def sampled_softmax_loss_sums(user_TxD, table_IxD, targets_T, negatives, logq_ne
   pos_T = jnp.sum(user_TxD * table_IxD[targets_T], axis=-1) / temperature - logq_pos_T
   neg_TxK = _negative_logits(user_TxD, table_IxD, negatives, logq_neg, temperature)
   neg_TxK = jnp.where(_per_token_negatives(negatives, targets_T) == targets_T[:, None], -jnp.inf, neg_TxK)
-  lse_T = jax.nn.logsumexp(jnp.concatenate([pos_T[:, None], neg_TxK], axis=1), axis=1)
+  # log(exp(pos) + sum exp(neg)) without concatenating [pos, neg] (a copy of the T x K logits): the shift
+  # includes the finite positive, so the sum is at least 1 even when every negative is masked.
+  m_T = jax.lax.stop_gradient(jnp.maximum(pos_T, jnp.max(neg_TxK, axis=1)))
+  lse_T = m_T + jnp.log(jnp.exp(pos_T - m_T) + jnp.sum(jnp.exp(neg_TxK - m_T[:, None]), axis=1))
   return jnp.sum(jnp.where(valid_T, lse_T - pos_T, 0.0)), jnp.sum(valid_T)
 
 
@@ -230,8 +233,10 @@ class NextItem(Task):
     loss_sums = LOSSES[c.loss]
     if c.loss == "full_softmax" and c.loss_chunk:
       loss_sums = functools.partial(chunked_full_softmax_loss_sums, chunk=c.loss_chunk)
-    total, count = loss_sums(user_TxD, model.item_table(dropout_rng), batch.targets_T, negatives, logq_neg,
-                                  logq_pos_T, c.temperature)
+    # A loss over one shared set of sampled negatives reads the table by row: normalizing the rows it
+    # gathers, not every item, is the same embedding at a fraction of the work on a large catalog.
+    table = model.item_table(dropout_rng, rows_only=c.loss != "full_softmax" and c.negatives == "shared")
+    total, count = loss_sums(user_TxD, table, batch.targets_T, negatives, logq_neg, logq_pos_T, c.temperature)
     return {"loss_sum": total, "tokens": count.astype(jnp.float32)}
 
   def loss(self, totals):
