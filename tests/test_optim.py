@@ -260,8 +260,11 @@ def test_the_clip_and_the_guard_norm_are_optax_s_to_the_bit(platform):
   with runtime.using(target=dev):
     got_sq = jax.jit(lambda t: state.squared_norm(t))(tree)  # a fresh trace under this target
     assert np.asarray(got_sq).tobytes() == np.asarray(want_sq).tobytes()
-    for max_norm in (0.5 * float(np.sqrt(want_sq)), 2.0 * float(np.sqrt(want_sq))):
+    for max_norm in (0.5 * float(np.sqrt(want_sq)), 2.0 * float(np.sqrt(want_sq)), float("inf")):
       ours, _ = jax.jit(lambda t: optim.clip_by_global_norm(max_norm).update(t, optax.EmptyState()))(tree)
       theirs, _ = jax.jit(lambda t: optax.clip_by_global_norm(max_norm).update(t, optax.EmptyState()))(tree)
       for k in tree:
         assert np.asarray(ours[k]).tobytes() == np.asarray(theirs[k]).tobytes(), (max_norm, k)
+  # No clipping (an infinite norm, the next-item presets): the updates pass through, no pass over them.
+  jaxpr = jax.make_jaxpr(lambda t: optim.clip_by_global_norm(float("inf")).update(t, optax.EmptyState()))(tree)
+  assert not jaxpr.eqns, jaxpr

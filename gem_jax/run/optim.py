@@ -23,6 +23,7 @@ raises instead of falling into a default group.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -215,10 +216,14 @@ class Optimizer:
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   """optax.clip_by_global_norm on state.global_norm (ordered_sum's form, which XLA:CPU does not copy into
-  every leaf's update): the same arithmetic, leaf by leaf, and the same (empty) state."""
+  every leaf's update): the same arithmetic, leaf by leaf, and the same (empty) state. An infinite max_norm
+  (no clipping, as the next-item presets) passes the updates through: optax's select would still divide
+  every gradient by the norm, a pass over each parameter (an item table's included) that it then discards."""
 
   def update(updates, state, params=None):
     del params
+    if math.isinf(max_norm):
+      return updates, state
     norm = global_norm(updates)
     below = norm < max_norm
     return jax.tree_util.tree_map(lambda t: jax.lax.select(below, t, (t / norm.astype(t.dtype)) * max_norm),
