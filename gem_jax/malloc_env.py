@@ -1,0 +1,59 @@
+"""The C heap of a process that runs XLA:CPU programs: freed buffers stay in the process for the next step.
+
+An XLA:CPU step allocates its buffers when it starts and frees them when it ends. With glibc's defaults a
+buffer above the mmap threshold (128 KiB, rising to at most 32 MiB as larger ones are freed) is a mapping
+of its own: freeing it unmaps it, and the next step maps it again and faults it in page by page, 4 KiB at a
+time, every step; free memory at the top of the heap beyond the trim threshold goes back to the kernel and
+faults in again the same way. Three settings keep the memory instead:
+  M_MMAP_MAX 0            no allocation is a mapping of its own (the main heap grows with brk)
+  M_TRIM_THRESHOLD 1 GiB  up to 1 GiB free at the top of a heap stays there
+  M_TOP_PAD 256 MiB       a heap grows 256 MiB beyond each request, so it does not grow in small steps
+A 96 MiB buffer allocated and freed in a loop faults in every page each time without them and none with them
+(tests/test_malloc_env.py).
+
+Measured on this project's 2-core machine (2026-12-05, quiet, side by side in one script each):
+- Sports' next-item step (`bench_seqrec_step.py --dataset sports --variant preset --steps 20`): 36-40 ms
+  against 50-52 ms at the commit before (717,000 minor page faults per process against 218,000 with the
+  trim threshold and pad); ML-1M's step, whose arithmetic is ten times larger, is unchanged (340-360 ms);
+- `bench_hstu_stack.py --stacks S M --impls xla` against the trim threshold and pad alone: S 1.22-1.25x
+  tokens/s; M 1.05x;
+- the main job (`ab_trees.compare`, 300 steps of `small`, one run each): 1,359 examples/s against 1,362.
+Not kept: M_ARENA_MAX 1 as well. Worker threads allocate from heaps of at most 64 MiB, which map anything
+larger on their own whatever the settings; one arena for every thread keeps those too (stack M 1.23x, 62,000
+page faults a step gone), but the main job's threads then wait on its lock: 0.91x examples/s.
+
+The cost is resident memory: a process keeps its peak heap plus the pad. GEM_JAX_MALLOC=0 leaves glibc's
+defaults. A C library without mallopt, or not Linux: nothing is changed. Applied when gem_jax is imported
+(gem_jax/__init__.py); mallopt governs later allocations, so it needs no particular order against jax.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+VAR = "GEM_JAX_MALLOC"
+# glibc's <malloc.h> parameters and the values set.
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
+SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 256 << 20))
+
+
+def apply(environ=os.environ) -> str:
+  """Sets SETTINGS on glibc's allocator; returns "set", "off" (GEM_JAX_MALLOC=0) or "unavailable" (not Linux,
+  or a C library without mallopt)."""
+  if environ.get(VAR, "").strip() == "0":
+    return "off"
+  if not sys.platform.startswith("linux"):
+    return "unavailable"
+  try:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    mallopt = libc.mallopt
+  except (OSError, AttributeError):
+    return "unavailable"
+  mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+  # mallopt returns 1 on success; C libraries that only stub it return 0.
+  if not all([mallopt(param, value) == 1 for param, value in SETTINGS]):
+    return "unavailable"
+  return "set"
