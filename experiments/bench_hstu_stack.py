@@ -84,4 +84,12 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  if "--child" in sys.argv:   # the measured tree's allocator settings, huge pages included, if it has them
+    sys.path.insert(0, os.environ.get("GEM_JAX_TREE", ROOT))
+    try:
+      from gem_jax import malloc_env
+    except ImportError:
+      malloc_env = None
+    if malloc_env is not None:
+      malloc_env.relaunch_with_huge_pages()
   sys.exit(main())

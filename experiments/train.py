@@ -89,4 +89,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  from gem_jax import malloc_env
+  malloc_env.relaunch_with_huge_pages()   # glibc reads its huge-page tunable only when a process starts
   sys.exit(main())

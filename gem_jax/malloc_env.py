@@ -22,6 +22,16 @@ Not kept: M_ARENA_MAX 1 as well. Worker threads allocate from heaps of at most 6
 larger on their own whatever the settings; one arena for every thread keeps those too (stack M 1.23x, 62,000
 page faults a step gone), but the main job's threads then wait on its lock: 0.91x examples/s.
 
+Transparent huge pages. This machine's kernel gives a 2 MiB page only where a program asks for one
+(/sys/kernel/mm/transparent_hugepage/enabled: madvise), and glibc asks for its heap only when its tunable
+glibc.malloc.hugetlb=1 is in GLIBC_TUNABLES at the start of the process; it cannot be set later. So
+`apply` adds it to os.environ for every process this one starts (the test suite's workers, a benchmark's
+rounds, a multi-process run), and `relaunch_with_huge_pages()`, the first thing the main scripts
+(experiments/train.py, experiments/seqrec.py) do, starts the script again with it when this process began
+without it. Measured side by side, quiet (2026-12-05): stack M 224-227 ms a step against 251-304 ms, 128,000
+page faults per process against 655,000, stack S within noise; the main job (`small`, 300 steps) 1,592 and
+1,716 examples/s against 1,210 and 1,433 (1.20-1.32x, both orders).
+
 The cost is resident memory: a process keeps its peak heap plus the pad. GEM_JAX_MALLOC=0 leaves glibc's
 defaults. A C library without mallopt, or not Linux: nothing is changed. Applied when gem_jax is imported
 (gem_jax/__init__.py); mallopt governs later allocations, so it needs no particular order against jax.
@@ -35,6 +45,8 @@ import os
 import sys
 
 VAR = "GEM_JAX_MALLOC"
+TUNABLES, HUGE_PAGES = "GLIBC_TUNABLES", "glibc.malloc.hugetlb=1"
+_STARTED_WITH = os.environ.get(TUNABLES, "")   # read before apply() adds to it
 # glibc's <malloc.h> parameters and the values set.
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
 SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 256 << 20))
@@ -56,4 +68,36 @@ def apply(environ=os.environ) -> str:
   # mallopt returns 1 on success; C libraries that only stub it return 0.
   if not all([mallopt(param, value) == 1 for param, value in SETTINGS]):
     return "unavailable"
+  if HUGE_PAGES not in environ.get(TUNABLES, ""):   # for the processes this one starts
+    environ[TUNABLES] = ":".join(t for t in (environ.get(TUNABLES, ""), HUGE_PAGES) if t)
   return "set"
+
+
+def without_huge_pages(environ=os.environ) -> dict:
+  """A copy of `environ` without the huge-page tunable (other tunables kept): the environment a process gets
+  when a user starts it, for side-by-side tools that start another checkout's code and must let that
+  checkout's own entry point decide (an older one does not ask for huge pages)."""
+  env = dict(environ)
+  rest = [t for t in env.get(TUNABLES, "").split(":") if t and t != HUGE_PAGES]
+  if rest:
+    env[TUNABLES] = ":".join(rest)
+  else:
+    env.pop(TUNABLES, None)
+  return env
+
+
+def started_with_huge_pages() -> bool:
+  return HUGE_PAGES in _STARTED_WITH
+
+
+def relaunch_with_huge_pages(environ=os.environ) -> None:
+  """Starts this script again (same interpreter, same command line: sys.orig_argv) with glibc's huge-page
+  tunable, when this process began without it and the settings are on; otherwise returns. Call it first
+  thing in a script's main block, before the work that would be lost."""
+  if started_with_huge_pages() or environ.get(VAR, "").strip() == "0" or not sys.platform.startswith("linux"):
+    return
+  env = dict(environ)
+  env[TUNABLES] = ":".join(t for t in (_STARTED_WITH, HUGE_PAGES) if t)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execve(sys.executable, list(sys.orig_argv), env)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from gem_jax import malloc_env
 from gem_jax.parallel import distributed
 
 
@@ -27,7 +28,8 @@ def run_job(tree: str, args: list[str], out_dir: str, timeout: float = 1800) -> 
   """experiments/train.py ARGS --out out_dir in `tree`; the numbers of its summary.json."""
   tree = os.path.abspath(tree)
   # The tree's job picks its own device count; any other XLA flag of this process is kept.
-  env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS="cpu",
+  # Started as a user would start it: the tree's train.py asks for huge pages itself if it does (malloc_env).
+  env = dict(malloc_env.without_huge_pages(), PYTHONPATH=tree, JAX_PLATFORMS="cpu",
              XLA_FLAGS=distributed.cpu_device_flags(os.environ.get("XLA_FLAGS")))
   t0 = time.perf_counter()
   proc = subprocess.run([sys.executable, "experiments/train.py", *args, "--out", out_dir, "--no-progress"],

@@ -195,7 +195,10 @@ def tiles_table(rows: list[dict]) -> str:
 def run_child(tree: str, stack: str, impl: str, reps: int, seed: int, rel_bias: bool = True,
               xla_flags: str | None = None) -> dict:
   """child() in a fresh process with `tree`'s gem_jax first on the path (and XLA_FLAGS=`xla_flags` if given)."""
-  env = dict(os.environ, GEM_JAX_TREE=os.path.abspath(tree), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+  from gem_jax import malloc_env   # here, not at the top: a child loads this file over an older tree's gem_jax
+  # Without the huge-page tunable: the child asks for it itself when the measured tree has gem_jax/malloc_env.py.
+  env = dict(malloc_env.without_huge_pages(), GEM_JAX_TREE=os.path.abspath(tree),
+             JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
   if xla_flags is not None:
     env["XLA_FLAGS"] = xla_flags
   cmd = [sys.executable, SCRIPT, "--child", stack, impl, "--reps", str(reps), "--seed", str(seed),
