@@ -27,29 +27,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def same_shape_batches(run, count: int, max_draws: int = 200) -> list:
-  """`count` training batches of the first one's shapes, for one compiled step: a source whose batches pad
-  to a multiple of tokens (next-item rows) makes several shapes. Fewer found in `max_draws`: they repeat."""
-  import jax
-  import numpy as np
-
-  def shapes(batch):
-    return [np.shape(x) for x in jax.tree_util.tree_leaves(batch)]
-
-  it = run.source.train_iterator()
-  first = next(it)
-  kept = [first]
-  for _ in range(max_draws):
-    if len(kept) == count:
-      break
-    host = next(it, None)
-    if host is None:
-      break
-    if shapes(host) == shapes(first):
-      kept.append(host)
-  return [run.device_batch(b) for b in kept]
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", default="small", help="named config (gem_jax/configs.py)")
@@ -87,7 +64,7 @@ def main(argv=None) -> int:
   else:
     name = args.config
     run = build(apply_overrides(configs.get(args.config), args.set))
-    batches = same_shape_batches(run, args.warmup + args.steps + 1)
+    batches = op_profile.same_shape_batches(run, args.warmup + args.steps + 1)
     compiled = run.train_step.lower(run.state, batches[0]).compile()
     carry = [run.state]
 

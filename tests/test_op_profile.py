@@ -97,20 +97,16 @@ def test_an_op_made_in_a_library_goes_to_the_caller_under_the_roots():
   assert dots and all(op.where.startswith(f"tests/test_op_profile.py:{line} ") for op in dots), dots
 
 
-def test_the_script_profiles_one_compiled_step_on_batches_of_one_shape():
-  """A next-item source pads its batches to several token capacities; the script keeps the first batch's
+def test_one_compiled_step_runs_on_batches_of_one_shape():
+  """A next-item source pads its batches to several token capacities; the profiler keeps the first batch's
   shape, so its one compiled step accepts every batch it runs (it failed on ML-1M's second batch)."""
-  import importlib.util
   import types
 
   import numpy as np
-  spec = importlib.util.spec_from_file_location("profile_step", os.path.join(ROOT, "experiments", "profile_step.py"))
-  script = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(script)
   sizes = [512, 1024, 512, 1536, 512, 1024]
   run = types.SimpleNamespace(
       source=types.SimpleNamespace(train_iterator=lambda: iter({"ids": np.zeros(n)} for n in sizes)),
       device_batch=lambda b: b)
-  assert [b["ids"].shape for b in script.same_shape_batches(run, 3)] == [(512,)] * 3
+  assert [b["ids"].shape for b in op_profile.same_shape_batches(run, 3)] == [(512,)] * 3
   # Fewer of that shape than asked for: the ones found, to be reused in turn.
-  assert len(script.same_shape_batches(run, 5)) == 3
+  assert len(op_profile.same_shape_batches(run, 5)) == 3

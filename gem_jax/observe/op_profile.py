@@ -27,6 +27,9 @@ import dataclasses
 import os
 import re
 
+import jax
+import numpy as np
+
 from gem_jax.observe import hlo, profile
 from gem_jax.observe.profile import COLLECTIVE_RE
 
@@ -195,3 +198,23 @@ def table(rows: list[dict], top: int) -> str:
     lines.append(f"{sum(r['ms_per_step'] for r in rest):9.2f} {100 * sum(r['share'] for r in rest):5.1f}%  "
                  f"{'':<4}  {sum(r['ops'] for r in rest):4d}  ({len(rest)} more places)")
   return "\n".join(lines)
+
+
+def same_shape_batches(run, count: int, max_draws: int = 200) -> list:
+  """`count` training batches of the first one's shapes, for one compiled step: a source whose batches pad
+  to a multiple of tokens (next-item rows) makes several shapes. Fewer found in `max_draws`: they repeat."""
+  def shapes(batch):
+    return [np.shape(x) for x in jax.tree_util.tree_leaves(batch)]
+
+  it = run.source.train_iterator()
+  first = next(it)
+  kept = [first]
+  for _ in range(max_draws):
+    if len(kept) == count:
+      break
+    host = next(it, None)
+    if host is None:
+      break
+    if shapes(host) == shapes(first):
+      kept.append(host)
+  return [run.device_batch(b) for b in kept]
