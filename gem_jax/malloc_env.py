@@ -93,8 +93,9 @@ def started_with_huge_pages() -> bool:
 def relaunch_with_huge_pages(environ=os.environ) -> None:
   """Starts this script again (same interpreter, same command line: sys.orig_argv) with glibc's huge-page
   tunable, when this process began without it and the settings are on; otherwise returns. Call it first
-  thing in a script's main block, before the work that would be lost."""
-  if started_with_huge_pages() or environ.get(VAR, "").strip() == "0" or not sys.platform.startswith("linux"):
+  thing in a script's main block, before the work that would be lost. Only where `apply` set the allocator
+  (it exports the tunable then): not with GEM_JAX_MALLOC=0, not on another C library or system."""
+  if started_with_huge_pages() or HUGE_PAGES not in environ.get(TUNABLES, ""):
     return
   env = dict(environ)
   env[TUNABLES] = ":".join(t for t in (_STARTED_WITH, HUGE_PAGES) if t)
