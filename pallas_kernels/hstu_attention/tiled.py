@@ -216,6 +216,7 @@ class Ctx:
                  - local[None, None, :])
       self.bucket_OxQxK = self.bucket_N[jnp.minimum(jnp.abs(d_OxQxK), s.max_seq_len - 1)]
       self.bias_OxHxQxK = jnp.moveaxis(bias_HxR.astype(jnp.float32)[:, self.bucket_OxQxK], 0, 1)
+      self.bias_OxHxKxQ = jnp.swapaxes(self.bias_OxHxQxK, 2, 3)   # the backward's key-major tiles
       self.first_offset = -(nb - 1)
 
   def tile(self, t, q_TpxHxD, k_TpxHxD, v_TpxHxDv):
@@ -236,11 +237,16 @@ class Ctx:
     return start + q0, start + k0, q_QxHxD, k_KxHxD, v_KxHxDv, mask_QxK, dist_QxK, logits_HxQxK
 
 
-  def step_tiles(self, g, q_HxTpxD, k_HxTpxD, v_HxTpxDv):
+  def step_tiles(self, g, q_HxTpxD, k_HxTpxD, v_HxTpxDv, key_major: bool = False):
     """Tiles [g G, g G + G) at once: (q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv,
     mask_Gx1xQxK, bias_at (the bias tiles' offsets, or each pair's clipped distance; None without a bias),
     logits_GxHxQxK). Rows past a row's end read as zero; padding tiles
-    past n_tiles see an empty row, so everything they compute is masked."""
+    past n_tiles see an empty row, so everything they compute is masked.
+
+    key_major: the pair arrays (mask, distances, logits) come K x Q instead. The backward wants them so: its
+    dk and dv dots then contract their operands' last axes, which XLA:CPU hands to its fast dot library,
+    where a contraction over the leading pair axis (A^T B) falls back to the generic dot emitter (the
+    profile of `experiments/profile_step.py` shows which: `dot` rather than a library fusion)."""
     s, size = self.s, self.s.block
     t_G = g * s.group + jnp.arange(s.group, dtype=jnp.int32)
     tiles_Gx3 = lax.dynamic_slice_in_dim(self.tiles_Cx3, g * s.group, s.group, axis=0)
@@ -255,15 +261,20 @@ class Ctx:
     k_GxHxKxD = gather_blocks(k_HxTpxD, k_at_G, k_valid_GxK, size)
     v_GxHxKxDv = gather_blocks(v_HxTpxDv, k_at_G, k_valid_GxK, size)
     n_in, max_pos = n_in_G[:, None, None], max_pos_G[:, None, None]
+    if key_major:
+      i_GxQx1, j_Gx1xK = jnp.swapaxes(i_GxQx1, 1, 2), jnp.swapaxes(j_Gx1xK, 1, 2)
     mask_GxQxK, d_GxQxK = masks.tile_mask(i_GxQx1, j_Gx1xK, n_in, max_pos, causal=s.causal,
                                           max_attn_len=s.max_attn_len, contextual_seq_len=s.contextual_seq_len,
                                           has_targets=s.has_targets)
-    logits_GxHxQxK = s.alpha * dot("ghqd,ghkd->ghqk", q_GxHxQxD, k_GxHxKxD)
+    if key_major:
+      logits_GxHxQxK = s.alpha * dot("ghkd,ghqd->ghkq", k_GxHxKxD, q_GxHxQxD)
+    else:
+      logits_GxHxQxK = s.alpha * dot("ghqd,ghkd->ghqk", q_GxHxQxD, k_GxHxKxD)
     bias_at = None
     if self.by_offset:
       # Padding tiles may list offsets past the table; they are masked, so clip them into it.
       bias_at = jnp.clip((q0_G - k0_G) // size - self.first_offset, 0, self.bias_OxHxQxK.shape[0] - 1)
-      logits_GxHxQxK = logits_GxHxQxK + self.bias_OxHxQxK[bias_at]
+      logits_GxHxQxK = logits_GxHxQxK + (self.bias_OxHxKxQ if key_major else self.bias_OxHxQxK)[bias_at]
     elif s.has_bias:
       bias_at = jnp.minimum(jnp.abs(d_GxQxK), s.max_seq_len - 1)
       logits_GxHxQxK = logits_GxHxQxK + jnp.moveaxis(self.bias_HxN[:, bias_at], 0, 1)
@@ -271,7 +282,8 @@ class Ctx:
             logits_GxHxQxK)
 
   def dbias_init(self, num_heads: int, num_buckets: int):
-    """The backward loop's bias-gradient carry: per offset tile (by_offset), else per bucket."""
+    """The backward loop's bias-gradient carry: per offset tile (by_offset, key-major like the backward's
+    tiles), else per bucket."""
     if self.by_offset:
       return jnp.zeros(self.bias_OxHxQxK.shape, jnp.float32)
     return jnp.zeros((num_heads, num_buckets), jnp.float32)
@@ -286,7 +298,8 @@ class Ctx:
     """d rel_bias_HxR from the loop's carry."""
     if not self.by_offset:
       return acc
-    return jnp.zeros((acc.shape[1], num_buckets), jnp.float32).at[:, self.bucket_OxQxK].add(jnp.moveaxis(acc, 1, 0))
+    acc_HxOxQxK = jnp.swapaxes(jnp.moveaxis(acc, 1, 0), 2, 3)
+    return jnp.zeros((acc.shape[1], num_buckets), jnp.float32).at[:, self.bucket_OxQxK].add(acc_HxOxQxK)
 
 
 def pad(x_TxHxW, block: int):
@@ -318,6 +331,7 @@ def scatter_add_blocks(acc_HxTpxW, start_G, value_GxHxQxW):
 
 
 def _forward(s: Static, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR):
+  """(out_TxHxDv, (q, k, v) head-major): the backward keeps the loops' layout instead of redoing it."""
   capacity = q_TxHxD.shape[0]
   ctx = Ctx(offsets_Bp1, targets_B, bias_HxR, capacity, s)
   q_p, k_p, v_p = (head_major(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv))
@@ -331,52 +345,50 @@ def _forward(s: Static, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias
   acc = jnp.zeros((v_TxHxDv.shape[1], capacity + s.block, v_TxHxDv.shape[2]), jnp.float32)
   acc = vma.like(acc, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
   acc = lax.fori_loop(0, ctx.n_groups, body, acc)
-  return token_major(acc, capacity, v_TxHxDv.dtype)
+  return token_major(acc, capacity, v_TxHxDv.dtype), (q_p, k_p, v_p)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(s, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR):
-  return _forward(s, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
+  return _forward(s, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR)[0]
 
 
 def _attention_fwd(s, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR):
-  out = _forward(s, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
-  return out, (q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
+  out, (q_p, k_p, v_p) = _forward(s, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
+  return out, (q_p, k_p, v_p, offsets_Bp1, targets_B, bias_HxR)
 
 
 def _attention_bwd(s, residuals, dout_TxHxDv):
-  q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR = residuals
-  capacity = q_TxHxD.shape[0]
+  q_p, k_p, v_p, offsets_Bp1, targets_B, bias_HxR = residuals
+  capacity = dout_TxHxDv.shape[0]
   ctx = Ctx(offsets_Bp1, targets_B, bias_HxR, capacity, s)
-  q_p, k_p, v_p, do_p = (head_major(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv, dout_TxHxDv))
+  do_p = head_major(dout_TxHxDv, s.block)
   num_buckets = bias_HxR.shape[1]
 
   def body(g, carry):
     dq_HxTpxD, dk_HxTpxD, dv_HxTpxDv, dbias = carry
-    q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv, mask, bias_at, logits_GxHxQxK = ctx.step_tiles(
-        g, q_p, k_p, v_p)
+    # Key-major pair arrays (step_tiles): only dq's dot contracts the leading pair axis.
+    q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv, mask, bias_at, logits_GxHxKxQ = ctx.step_tiles(
+        g, q_p, k_p, v_p, key_major=True)
     do_GxHxQxDv = gather_blocks(do_p, q_at_G, q_valid_GxQ, s.block).astype(jnp.float32)
-    dw_GxHxQxK = dot("ghqd,ghkd->ghqk", do_GxHxQxDv, v_GxHxKxDv.astype(jnp.float32))
-    w_GxHxQxK, dl_GxHxQxK = pointwise.weights_and_dlogits(logits_GxHxQxK, mask, dw_GxHxQxK, s.max_seq_len)
+    dw_GxHxKxQ = dot("ghkd,ghqd->ghkq", v_GxHxKxDv.astype(jnp.float32), do_GxHxQxDv)
+    w_GxHxKxQ, dl_GxHxKxQ = pointwise.weights_and_dlogits(logits_GxHxKxQ, mask, dw_GxHxKxQ, s.max_seq_len)
     dq_HxTpxD = scatter_add_blocks(dq_HxTpxD, q_at_G,
-                                   s.alpha * dot("ghqk,ghkd->ghqd", dl_GxHxQxK, k_GxHxKxD.astype(jnp.float32)))
+                                   s.alpha * dot("ghkq,ghkd->ghqd", dl_GxHxKxQ, k_GxHxKxD.astype(jnp.float32)))
     dk_HxTpxD = scatter_add_blocks(dk_HxTpxD, k_at_G,
-                                   s.alpha * dot("ghqk,ghqd->ghkd", dl_GxHxQxK, q_GxHxQxD.astype(jnp.float32)))
-    dv_HxTpxDv = scatter_add_blocks(dv_HxTpxDv, k_at_G, dot("ghqk,ghqd->ghkd", w_GxHxQxK, do_GxHxQxDv))
+                                   s.alpha * dot("ghkq,ghqd->ghkd", dl_GxHxKxQ, q_GxHxQxD.astype(jnp.float32)))
+    dv_HxTpxDv = scatter_add_blocks(dv_HxTpxDv, k_at_G, dot("ghkq,ghqd->ghkd", w_GxHxKxQ, do_GxHxQxDv))
     if s.has_bias:
-      dbias = ctx.add_dbias(dbias, bias_at, dl_GxHxQxK)
+      dbias = ctx.add_dbias(dbias, bias_at, dl_GxHxKxQ)
     return dq_HxTpxD, dk_HxTpxD, dv_HxTpxDv, dbias
 
-  padded = capacity + s.block
-  num_heads = q_TxHxD.shape[1]
-  init = (jnp.zeros((num_heads, padded, q_TxHxD.shape[2]), jnp.float32),
-          jnp.zeros((num_heads, padded, k_TxHxD.shape[2]), jnp.float32),
-          jnp.zeros((num_heads, padded, v_TxHxDv.shape[2]), jnp.float32),
+  num_heads = q_p.shape[0]
+  init = (jnp.zeros(q_p.shape, jnp.float32), jnp.zeros(k_p.shape, jnp.float32), jnp.zeros(v_p.shape, jnp.float32),
           ctx.dbias_init(num_heads, num_buckets))
-  init = vma.like(init, q_TxHxD, k_TxHxD, v_TxHxDv, dout_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
+  init = vma.like(init, q_p, k_p, v_p, dout_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
   dq, dk, dv, dbias = lax.fori_loop(0, ctx.n_groups, body, init)
-  return (token_major(dq, capacity, q_TxHxD.dtype), token_major(dk, capacity, k_TxHxD.dtype),
-          token_major(dv, capacity, v_TxHxDv.dtype), None, None, ctx.dbias(dbias, num_buckets).astype(bias_HxR.dtype))
+  return (token_major(dq, capacity, q_p.dtype), token_major(dk, capacity, k_p.dtype),
+          token_major(dv, capacity, v_p.dtype), None, None, ctx.dbias(dbias, num_buckets).astype(bias_HxR.dtype))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
