@@ -163,6 +163,38 @@ def segment_ids(offsets_Bp1, capacity: int):
   return jnp.where(t < offsets_Bp1[-1], row, offsets_Bp1.shape[0] - 1).astype(jnp.int32)
 
 
+def _take(values_SxF, src_T, valid_T):
+  mask = valid_T.reshape(valid_T.shape + (1,) * (values_SxF.ndim - 1))
+  return jnp.where(mask, values_SxF[src_T], jnp.zeros((), values_SxF.dtype))
+
+
+@jax.custom_vjp
+def take_rows(values_SxF, src_T, valid_T):
+  """values[src[t]] for every slot t where valid[t], else 0: the row moves of concat_rows, split_rows and
+  keep_last. The valid slots must read distinct sources (each token lands in one place), which those moves
+  guarantee. Then the gradient is again a gather, by the inverse map, where autodiff of the gather would
+  scatter-add into zeros: on CPU the zeros, their copy and a serial scatter cost several times the gather."""
+  return _take(values_SxF, src_T, valid_T)
+
+
+def _take_rows_fwd(values_SxF, src_T, valid_T):
+  num_sources = values_SxF.shape[0]
+  # Invalid slots point past the end and are dropped: inverse[s] is the slot that reads source s.
+  slot_T = jnp.where(valid_T, src_T, num_sources)
+  inverse_S = jnp.zeros((num_sources,), jnp.int32).at[slot_T].set(
+      jnp.arange(src_T.shape[0], dtype=jnp.int32), mode="drop")
+  read_S = jnp.zeros((num_sources,), jnp.bool_).at[slot_T].set(True, mode="drop")
+  return _take(values_SxF, src_T, valid_T), (inverse_S, read_S)
+
+
+def _take_rows_bwd(residuals, d_TxF):
+  inverse_S, read_S = residuals
+  return _take(d_TxF, inverse_S, read_S), None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
 def concat_rows(a: Jagged, b: Jagged, capacity: int | None = None) -> Jagged:
   """Per-row concatenation: row r of the result is a[r] ++ b[r] (e.g. contextual tokens ++ history)."""
   if a.batch_size != b.batch_size:
@@ -180,11 +212,12 @@ def concat_rows(a: Jagged, b: Jagged, capacity: int | None = None) -> Jagged:
   from_a = local < len_a
   src_a = jnp.clip(a.offsets[row] + local, 0, max(a.capacity - 1, 0))
   src_b = jnp.clip(b.offsets[row] + local - len_a, 0, max(b.capacity - 1, 0))
-  va = a.values[src_a] if a.capacity else jnp.zeros((cap,) + a.feature_shape, a.values.dtype)
-  vb = b.values[src_b] if b.capacity else jnp.zeros((cap,) + b.feature_shape, b.values.dtype)
+  va = take_rows(a.values, src_a, valid & from_a) if a.capacity else jnp.zeros((cap,) + a.feature_shape,
+                                                                                  a.values.dtype)
+  vb = take_rows(b.values, src_b, valid & ~from_a) if b.capacity else jnp.zeros((cap,) + b.feature_shape,
+                                                                                   b.values.dtype)
   bshape = (cap,) + (1,) * len(a.feature_shape)
-  values = jnp.where(from_a.reshape(bshape), va, vb.astype(va.dtype))
-  return Jagged(jnp.where(valid.reshape(bshape), values, jnp.zeros((), values.dtype)), offsets)
+  return Jagged(jnp.where(from_a.reshape(bshape), va, vb.astype(va.dtype)), offsets)
 
 
 def split_rows(x: Jagged, first_lengths_B, capacity_first: int, capacity_second: int) -> tuple[Jagged, Jagged]:
@@ -219,11 +252,8 @@ def _gather_rows(x: Jagged, starts_B, lengths_B, capacity: int) -> Jagged:
   offsets, t, valid, row = _packed(lengths_B, capacity, x.batch_size)
   src = jnp.clip(starts_B[row] + t - offsets[row], 0, max(x.capacity - 1, 0))
   if x.capacity == 0:
-    values = jnp.zeros((capacity,) + x.feature_shape, x.values.dtype)
-  else:
-    values = x.values[src]
-  mask = valid.reshape((capacity,) + (1,) * len(x.feature_shape))
-  return Jagged(jnp.where(mask, values, jnp.zeros((), values.dtype)), offsets)
+    return Jagged(jnp.zeros((capacity,) + x.feature_shape, x.values.dtype), offsets)
+  return Jagged(take_rows(x.values, src, valid), offsets)
 
 
 def dense_to_jagged(x_BxNx, capacity: int | None = None) -> Jagged:

@@ -103,6 +103,33 @@ def test_keep_last_is_the_pyramid_truncation():
     np.testing.assert_array_equal(r, full[-3:])
 
 
+def _plain_take(values, src, valid):
+  # What take_rows replaces: a gather whose gradient autodiff derives (a scatter-add into zeros).
+  return jnp.where(valid.reshape(valid.shape + (1,) * (values.ndim - 1)), values[src], 0.0)
+
+
+@pytest.mark.parametrize("lengths_a,lengths_b", [([1, 0, 2, 4], [3, 1, 0, 2]), ([0, 0, 0, 0], [2, 0, 1, 3])])
+def test_row_moves_have_the_gradients_of_plain_gathers(monkeypatch, lengths_a, lengths_b):
+  """concat_rows, split_rows and keep_last (GEM's layer plumbing) under take_rows' own backward: the same
+  gradients as autodiff through plain gathers, padding slots of the inputs included (they get zero)."""
+  a, b = (jax.tree.map(jnp.asarray, Jagged.from_rows(_rows(n, seed=s), capacity=sum(n) + extra))
+          for n, s, extra in ((lengths_a, 1, 3), (lengths_b, 2, 2)))
+  weights = jnp.asarray(np.random.default_rng(3).normal(size=(64, 3)), jnp.float32)
+
+  def loss(va, vb):
+    c = jagged.concat_rows(a.replace_values(va), b.replace_values(vb))
+    head, tail = jagged.split_rows(c, jnp.full((4,), 2, jnp.int32), 8, c.capacity)
+    kept = jagged.keep_last(tail, 2)
+    return sum(jnp.sum(x.values * weights[:x.capacity]) for x in (c, head, kept))
+
+  got = jax.jit(jax.grad(loss, argnums=(0, 1)))(a.values, b.values)
+  monkeypatch.setattr(jagged, "take_rows", _plain_take)
+  want = jax.jit(jax.grad(loss, argnums=(0, 1)))(a.values, b.values)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+  assert np.any(np.asarray(got[1]) != 0)
+
+
 def test_segment_mean_ignores_padding():
   x = Jagged.from_rows(_rows([2, 0, 1]), capacity=6)
   x = x.replace_values(jnp.asarray(x.values).at[3:].set(1e9))  # garbage in the tail padding
