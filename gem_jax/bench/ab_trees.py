@@ -39,7 +39,11 @@ def run_job(tree: str, args: list[str], out_dir: str, timeout: float = 1800) -> 
                        f"{proc.stderr[-3000:]}")
   with open(os.path.join(out_dir, "summary.json")) as f:
     summary = json.load(f)
-  out = {"examples_per_s": summary["examples_per_s"], "wall_s": time.perf_counter() - t0}
+  # MFU / HFU from the run's efficiency report (model / XLA-counted FLOPs over a GEMM measured in that run);
+  # None where the tree's job has no report.
+  efficiency = summary.get("efficiency") or {}
+  out = {"examples_per_s": summary["examples_per_s"], "mfu": efficiency.get("mfu"), "hfu": efficiency.get("hfu"),
+         "wall_s": time.perf_counter() - t0}
   for task, m in summary["tasks"].items():
     out[f"{task}/eval_ne"] = m["eval_ne"]
     out[f"{task}/gap_closed"] = m["gap_closed"]
@@ -62,8 +66,11 @@ def compare(trees: dict[str, str], args: list[str], *, repeats: int = 3, out_dir
     medians[n] = {k: statistics.median(v) for k, v in values.items() if v}
   reference = names[-1]
   ratios = {n: medians[n]["examples_per_s"] / medians[reference]["examples_per_s"] for n in names}
+  hfu_ratios = {n: (medians[n]["hfu"] / medians[reference]["hfu"]
+                    if medians[n].get("hfu") and medians[reference].get("hfu") else None) for n in names}
   return {"args": args, "trees": {n: os.path.abspath(p) for n, p in trees.items()}, "repeats": repeats,
-          "reference": reference, "runs": runs, "medians": medians, "examples_per_s_ratio": ratios}
+          "reference": reference, "runs": runs, "medians": medians, "examples_per_s_ratio": ratios,
+          "hfu_ratio": hfu_ratios}
 
 
 def table(result: dict) -> str:
@@ -76,4 +83,7 @@ def table(result: dict) -> str:
     lines.append(f"| {k} | " + " | ".join(f"{result['medians'][n].get(k, float('nan')):.4f}" for n in names) + " |")
   lines.append(f"| examples/s vs {result['reference']} | "
                + " | ".join(f"{result['examples_per_s_ratio'][n]:.3f}x" for n in names) + " |")
+  hfu = result.get("hfu_ratio") or {}
+  lines.append(f"| HFU vs {result['reference']} | "
+               + " | ".join("-" if hfu.get(n) is None else f"{hfu[n]:.3f}x" for n in names) + " |")
   return "\n".join(lines)
