@@ -178,18 +178,19 @@ def take_rows(values_SxF, src_T, valid_T):
 
 
 def _take_rows_fwd(values_SxF, src_T, valid_T):
-  num_sources = values_SxF.shape[0]
-  # Invalid slots point past the end and are dropped: inverse[s] is the slot that reads source s.
+  num_sources, num_slots = values_SxF.shape[0], src_T.shape[0]
+  # Invalid slots point past the end and are dropped: inverse[s] is the slot that reads source s, or
+  # num_slots for a source no slot reads. One int32 scatter: a byte-wide one (a "read" mask) would make the
+  # GPU loop on compare-and-swap (tests/test_gpu_compile.py checks the compiled PTX).
   slot_T = jnp.where(valid_T, src_T, num_sources)
-  inverse_S = jnp.zeros((num_sources,), jnp.int32).at[slot_T].set(
-      jnp.arange(src_T.shape[0], dtype=jnp.int32), mode="drop")
-  read_S = jnp.zeros((num_sources,), jnp.bool_).at[slot_T].set(True, mode="drop")
-  return _take(values_SxF, src_T, valid_T), (inverse_S, read_S)
+  inverse_S = jnp.full((num_sources,), num_slots, jnp.int32).at[slot_T].set(
+      jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
+  return _take(values_SxF, src_T, valid_T), inverse_S
 
 
-def _take_rows_bwd(residuals, d_TxF):
-  inverse_S, read_S = residuals
-  return _take(d_TxF, inverse_S, read_S), None, None
+def _take_rows_bwd(inverse_S, d_TxF):
+  read_S = inverse_S < d_TxF.shape[0]
+  return _take(d_TxF, jnp.minimum(inverse_S, d_TxF.shape[0] - 1), read_S), None, None
 
 
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
