@@ -261,7 +261,7 @@ class Ctx:
     k_GxHxKxD = gather_blocks(k_HxTpxD, k_at_G, k_valid_GxK, size)
     v_GxHxKxDv = gather_blocks(v_HxTpxDv, k_at_G, k_valid_GxK, size)
     n_in, max_pos = n_in_G[:, None, None], max_pos_G[:, None, None]
-    if key_major:
+    if key_major:  # from here on the pair arrays named Q x K (mask, distances, logits) are K x Q
       i_GxQx1, j_Gx1xK = jnp.swapaxes(i_GxQx1, 1, 2), jnp.swapaxes(j_Gx1xK, 1, 2)
     mask_GxQxK, d_GxQxK = masks.tile_mask(i_GxQx1, j_Gx1xK, n_in, max_pos, causal=s.causal,
                                           max_attn_len=s.max_attn_len, contextual_seq_len=s.contextual_seq_len,
