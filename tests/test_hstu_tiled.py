@@ -43,11 +43,33 @@ def test_every_candidate_tile_config_matches_the_reference(tiles):
   """Each (tile edge, tiles per step) a caller can pick: forward and every gradient at the f32 tolerance, on
   causal rows of 0-30 tokens with a bias and neither targets nor contextual tokens (the bias read per tile
   offset), so the tile count is rarely a multiple of the group and the last step runs padding tiles. The
-  per-pair bias path is held to the reference by the cases above, with 8-token tiles in groups of 16."""
+  other bias paths are held to the reference by the tests around it, with 8-token tiles."""
   args, offsets_Bp1, cot, kwargs = hstu_inputs("causal_bias", jnp.float32)
   want_out, want_grads = hstu_value_and_grads(reference.hstu_attention, args, offsets_Bp1, cot, kwargs)
   fn = functools.partial(tiled.hstu_attention, block=tiles.block, group=tiles.group)
   got_out, got_grads = hstu_value_and_grads(fn, args, offsets_Bp1, cot, kwargs)
+  assert _max_rel_err(got_out, want_out) <= 1e-5
+  for name, got, want in zip("qkvb", got_grads, want_grads):
+    assert _max_rel_err(got, want) <= 1e-5, name
+
+
+@pytest.mark.parametrize("group", [1, 16])
+@pytest.mark.parametrize("lengths,targets", [([17, 6, 30, 3, 9, 24], [1, 1, 0, 1, 1, 0]),
+                                             ([17, 1, 30, 3, 9, 24], [1, 0, 2, 1, 3, 1])],
+                         ids=["on_diagonal", "shared_target_positions"])
+def test_bias_with_contextual_tokens_and_targets_matches_the_reference(lengths, targets, group):
+  """The bias read per tile offset with the contextual rows and columns fixed per pair, and the loop steps
+  that go per pair whole: rows with two or more targets (they share max_pos) or too short for their
+  contextual and target tokens. One tile per step puts such rows' steps between steps that go per offset."""
+  rng = np.random.default_rng(3)
+  offsets_Bp1 = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+  capacity, heads = int(offsets_Bp1[-1]) + 2, 2
+  q, k, v, cot = (jnp.asarray(rng.normal(size=(capacity, heads, 8)), jnp.float32) for _ in range(4))
+  bias = jnp.asarray(rng.normal(size=(heads, 12)), jnp.float32)
+  kwargs = dict(max_seq_len=32, alpha=0.7, num_targets=jnp.asarray(targets, jnp.int32), contextual_seq_len=4)
+  want_out, want_grads = hstu_value_and_grads(reference.hstu_attention, (q, k, v, bias), offsets_Bp1, cot, kwargs)
+  fn = functools.partial(tiled.hstu_attention, block=BLOCK, group=group)
+  got_out, got_grads = hstu_value_and_grads(fn, (q, k, v, bias), offsets_Bp1, cot, kwargs)
   assert _max_rel_err(got_out, want_out) <= 1e-5
   for name, got, want in zip("qkvb", got_grads, want_grads):
     assert _max_rel_err(got, want) <= 1e-5, name

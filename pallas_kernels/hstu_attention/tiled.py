@@ -21,6 +21,7 @@ This module must never build a T x T or B x N x N array, and imports only jax/nu
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
@@ -170,27 +171,6 @@ def executed_pairs(offsets_Bp1, max_seq_len: int, block: int = DEFAULT_TILES.blo
   return int(n_tiles) * block * block
 
 
-def _tile_mask(q0, k0, n_in, max_pos, s: Static):
-  """(mask_QxK, d_QxK) exactly as reference.attention_mask, for one tile of one row."""
-  i_Qx1 = q0 + jnp.arange(s.block, dtype=jnp.int32)[:, None]
-  j_1xK = k0 + jnp.arange(s.block, dtype=jnp.int32)[None, :]
-  return masks.tile_mask(i_Qx1, j_1xK, n_in, max_pos, causal=s.causal, max_attn_len=s.max_attn_len,
-                         contextual_seq_len=s.contextual_seq_len, has_targets=s.has_targets)
-
-
-def load(x_TpxHxW, start, first, n_in, size: int):
-  """Rows [first, first + size) of the row at `start`, zero past the row (they may be the next row)."""
-  x = lax.dynamic_slice_in_dim(x_TpxHxW, start + first, size, axis=0)
-  valid_Qx1x1 = (first + jnp.arange(size, dtype=jnp.int32) < n_in)[:, None, None]
-  return jnp.where(valid_Qx1x1, x, jnp.zeros((), x.dtype))
-
-
-def add_rows(acc_TpxHxW, start, value_QxHxW):
-  # Rows past the row's end get exact zeros (their weights are masked), so touching them is harmless.
-  old = lax.dynamic_slice_in_dim(acc_TpxHxW, start, value_QxHxW.shape[0], axis=0)
-  return lax.dynamic_update_slice_in_dim(acc_TpxHxW, old + value_QxHxW, start, axis=0)
-
-
 class Ctx:
   """Per-call tile table and row metadata shared by the forward and backward loops."""
 
@@ -200,42 +180,40 @@ class Ctx:
     cap = _cdiv(tile_capacity(capacity, offsets_Bp1.shape[0] - 1, s), s.group) * s.group
     self.tiles_Cx3, self.n_tiles = _tiles(offsets_Bp1, targets_B, cap, s)
     self.n_groups = _cdiv(self.n_tiles, s.group)
-    # Without targets or contextual tokens a pair's distance is i - j, so a tile's bias depends only on its
-    # diagonal offset (q0 - k0) / block: step_tiles then reads one precomputed H x Q x K bias tile per offset
-    # (a window gather), and the backward sums the gradient per offset and buckets it once after the loop,
-    # where the general path gathers and scatters per pair.
-    self.by_offset = s.has_bias and not s.has_targets and s.contextual_seq_len == 0
+    # A pair's bias follows its distance d = p(i) - p(j). With c contextual tokens p(i) = i - max(c - 1, 0)
+    # for every token of a row but the first c - 1 (they share position 0) and, with two or more targets, the
+    # targets after the first (they share max_pos). So when c - 1 <= block, the bias tile of a row's tiles
+    # depends only on the tile's diagonal offset (q0 - k0) / block and on whether its query and key blocks are
+    # the row's first ones (holding the contextual tokens): step_tiles reads one of these precomputed
+    # H x Q x K tiles per tile (a window gather), and the backward sums the gradient per such slot and
+    # buckets it once after the loop. A call with a row whose targets share a position goes per pair
+    # instead (switch); with more than block + 1 contextual tokens every call does: that path gathers and
+    # scatters each pair's bucket.
+    self.by_offset = s.has_bias and s.contextual_seq_len - 1 <= s.block
+    self.targets_B = targets_B
     if s.has_bias:
       # |d| < N inside a row; the bucket per distance is a small N table gathered per tile.
       self.bucket_N = relative_position_bucket(jnp.arange(s.max_seq_len), bias_HxR.shape[1])
       self.bias_HxN = bias_HxR.astype(jnp.float32)[:, self.bucket_N]
     if self.by_offset:
       nb = _cdiv(s.max_seq_len, s.block)
+      self.first_offset, self.num_offsets = -(nb - 1), 2 * nb - 1
+      self.special = max(s.contextual_seq_len - 1, 0)   # the leading tokens sharing position 0
       local = jnp.arange(s.block, dtype=jnp.int32)
-      d_OxQxK = ((jnp.arange(-(nb - 1), nb, dtype=jnp.int32) * s.block)[:, None, None] + local[None, :, None]
-                 - local[None, None, :])
-      self.bucket_OxQxK = self.bucket_N[jnp.minimum(jnp.abs(d_OxQxK), s.max_seq_len - 1)]
-      self.bias_OxHxQxK = jnp.moveaxis(bias_HxR.astype(jnp.float32)[:, self.bucket_OxQxK], 0, 1)
-      self.bias_OxHxKxQ = jnp.swapaxes(self.bias_OxHxQxK, 2, 3)   # the backward's key-major tiles
-      self.first_offset = -(nb - 1)
-
-  def tile(self, t, q_TpxHxD, k_TpxHxD, v_TpxHxDv):
-    """Everything one tile needs: (q_start, k_start, q, k, v, mask, bucket index or None, logits)."""
-    s = self.s
-    b, q0, k0 = self.tiles_Cx3[t, 0], self.tiles_Cx3[t, 1], self.tiles_Cx3[t, 2]
-    start, n_in, max_pos = self.start_B[b], self.n_in_B[b], self.max_pos_B[b]
-    q_QxHxD = load(q_TpxHxD, start, q0, n_in, s.block)
-    k_KxHxD = load(k_TpxHxD, start, k0, n_in, s.block)
-    v_KxHxDv = load(v_TpxHxDv, start, k0, n_in, s.block)
-    mask_QxK, d_QxK = _tile_mask(q0, k0, n_in, max_pos, s)
-    logits_HxQxK = s.alpha * dot("qhd,khd->hqk", q_QxHxD, k_KxHxD)
-    dist_QxK = None
-    if s.has_bias:
-      # Masked pairs may lie past the row (|d| >= N): clip so they index, their weight is zero anyway.
-      dist_QxK = jnp.minimum(jnp.abs(d_QxK), s.max_seq_len - 1)
-      logits_HxQxK = logits_HxQxK + self.bias_HxN[:, dist_QxK]
-    return start + q0, start + k0, q_QxHxD, k_KxHxD, v_KxHxDv, mask_QxK, dist_QxK, logits_HxQxK
-
+      offset_O = jnp.arange(self.first_offset, nb, dtype=jnp.int32) * s.block
+      pos = lambda idx, first: jnp.maximum(idx - self.special, 0) if first else idx - self.special
+      d = []
+      # Slots: (q first, k first) = (no, no), (no, yes), (yes, no), (yes, yes), each with every offset; a
+      # first block starts at 0, the other one at the offset from it (combinations no tile has are unused).
+      kinds = ((False, False), (False, True), (True, False), (True, True)) if self.special else ((False, False),)
+      for q_first, k_first in kinds:
+        k0_O = -offset_O if q_first else jnp.zeros_like(offset_O)
+        i_OxQxK = (offset_O + k0_O)[:, None, None] + local[None, :, None]
+        j_OxQxK = k0_O[:, None, None] + local[None, None, :]
+        d.append(pos(i_OxQxK, q_first) - pos(j_OxQxK, k_first))
+      self.bucket_SxQxK = self.bucket_N[jnp.minimum(jnp.abs(jnp.concatenate(d)), s.max_seq_len - 1)]
+      self.bias_SxHxQxK = jnp.moveaxis(bias_HxR.astype(jnp.float32)[:, self.bucket_SxQxK], 0, 1)
+      self.bias_SxHxKxQ = jnp.swapaxes(self.bias_SxHxQxK, 2, 3)   # the backward's key-major tiles
 
   def step_tiles(self, g, q_HxTpxD, k_HxTpxD, v_HxTpxDv, key_major: bool = False):
     """Tiles [g G, g G + G) at once: (q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv,
@@ -273,8 +251,10 @@ class Ctx:
     bias_at = None
     if self.by_offset:
       # Padding tiles may list offsets past the table; they are masked, so clip them into it.
-      bias_at = jnp.clip((q0_G - k0_G) // size - self.first_offset, 0, self.bias_OxHxQxK.shape[0] - 1)
-      logits_GxHxQxK = logits_GxHxQxK + (self.bias_OxHxKxQ if key_major else self.bias_OxHxQxK)[bias_at]
+      bias_at = jnp.clip((q0_G - k0_G) // size - self.first_offset, 0, self.num_offsets - 1)
+      if self.special:
+        bias_at = bias_at + self.num_offsets * (2 * (q0_G == 0) + (k0_G == 0)).astype(jnp.int32)
+      logits_GxHxQxK = logits_GxHxQxK + (self.bias_SxHxKxQ if key_major else self.bias_SxHxQxK)[bias_at]
     elif s.has_bias:
       bias_at = jnp.minimum(jnp.abs(d_GxQxK), s.max_seq_len - 1)
       logits_GxHxQxK = logits_GxHxQxK + jnp.moveaxis(self.bias_HxN[:, bias_at], 0, 1)
@@ -282,24 +262,34 @@ class Ctx:
             logits_GxHxQxK)
 
   def dbias_init(self, num_heads: int, num_buckets: int):
-    """The backward loop's bias-gradient carry: per offset tile (by_offset, key-major like the backward's
-    tiles), else per bucket."""
+    """The backward loop's bias-gradient carry: per slot (by_offset, key-major like the backward's tiles),
+    else per bucket."""
     if self.by_offset:
-      return jnp.zeros(self.bias_OxHxQxK.shape, jnp.float32)
+      return jnp.zeros(self.bias_SxHxKxQ.shape, jnp.float32)
     return jnp.zeros((num_heads, num_buckets), jnp.float32)
 
-  def add_dbias(self, acc, bias_at, dl_GxHxQxK):
-    # Masked pairs carry dl = 0, so their (clipped) bucket or offset receives nothing.
-    if self.by_offset:
-      return acc.at[bias_at].add(dl_GxHxQxK)
-    return acc.at[:, self.bucket_N[bias_at]].add(jnp.moveaxis(dl_GxHxQxK, 1, 0))
+  def add_dbias(self, acc, bias_at, dl_GxHxKxQ):
+    """The loop's carry plus one step's key-major logit gradients (masked pairs carry dl = 0, so their
+    clipped bucket or slot receives nothing)."""
+    if not self.by_offset:
+      return acc.at[:, self.bucket_N[bias_at]].add(jnp.moveaxis(dl_GxHxKxQ, 1, 0))
+    return acc.at[bias_at].add(dl_GxHxKxQ)
 
   def dbias(self, acc, num_buckets: int):
     """d rel_bias_HxR from the loop's carry."""
     if not self.by_offset:
       return acc
-    acc_HxOxQxK = jnp.swapaxes(jnp.moveaxis(acc, 1, 0), 2, 3)
-    return jnp.zeros((acc.shape[1], num_buckets), jnp.float32).at[:, self.bucket_OxQxK].add(acc_HxOxQxK)
+    acc_HxSxQxK = jnp.swapaxes(jnp.moveaxis(acc, 1, 0), 2, 3)
+    return jnp.zeros((acc.shape[1], num_buckets), jnp.float32).at[:, self.bucket_SxQxK].add(acc_HxSxQxK)
+
+  def switch(self, loop):
+    """loop(ctx): with the bias read per slot, or per pair where some row's targets share a position (one
+    lax.cond per call; a cond per loop step cost more than the bias itself on the main job's attention)."""
+    if not (self.by_offset and self.s.has_targets):
+      return loop(self)
+    per_pair = copy.copy(self)
+    per_pair.by_offset = False
+    return lax.cond(jnp.any(self.targets_B >= 2), lambda: loop(per_pair), lambda: loop(self))
 
 
 def pad(x_TxHxW, block: int):
@@ -336,7 +326,7 @@ def _forward(s: Static, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias
   ctx = Ctx(offsets_Bp1, targets_B, bias_HxR, capacity, s)
   q_p, k_p, v_p = (head_major(x, s.block) for x in (q_TxHxD, k_TxHxD, v_TxHxDv))
 
-  def body(g, acc_HxTpxDv):
+  def body(ctx, g, acc_HxTpxDv):
     q_at_G, _, _, _, _, v_GxHxKxDv, mask, _, logits_GxHxQxK = ctx.step_tiles(g, q_p, k_p, v_p)
     w_GxHxQxK = pointwise.weights(logits_GxHxQxK, mask, s.max_seq_len)
     out_GxHxQxDv = dot("ghqk,ghkd->ghqd", w_GxHxQxK, v_GxHxKxDv.astype(jnp.float32))
@@ -344,7 +334,7 @@ def _forward(s: Static, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias
 
   acc = jnp.zeros((v_TxHxDv.shape[1], capacity + s.block, v_TxHxDv.shape[2]), jnp.float32)
   acc = vma.like(acc, q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
-  acc = lax.fori_loop(0, ctx.n_groups, body, acc)
+  acc = ctx.switch(lambda ctx: lax.fori_loop(0, ctx.n_groups, functools.partial(body, ctx), acc))
   return token_major(acc, capacity, v_TxHxDv.dtype), (q_p, k_p, v_p)
 
 
@@ -365,7 +355,7 @@ def _attention_bwd(s, residuals, dout_TxHxDv):
   do_p = head_major(dout_TxHxDv, s.block)
   num_buckets = bias_HxR.shape[1]
 
-  def body(g, carry):
+  def body(ctx, g, carry):
     dq_HxTpxD, dk_HxTpxD, dv_HxTpxDv, dbias = carry
     # Key-major pair arrays (step_tiles): only dq's dot contracts the leading pair axis.
     q_at_G, k_at_G, q_valid_GxQ, q_GxHxQxD, k_GxHxKxD, v_GxHxKxDv, mask, bias_at, logits_GxHxKxQ = ctx.step_tiles(
@@ -382,13 +372,16 @@ def _attention_bwd(s, residuals, dout_TxHxDv):
       dbias = ctx.add_dbias(dbias, bias_at, dl_GxHxKxQ)
     return dq_HxTpxD, dk_HxTpxD, dv_HxTpxDv, dbias
 
-  num_heads = q_p.shape[0]
-  init = (jnp.zeros(q_p.shape, jnp.float32), jnp.zeros(k_p.shape, jnp.float32), jnp.zeros(v_p.shape, jnp.float32),
-          ctx.dbias_init(num_heads, num_buckets))
-  init = vma.like(init, q_p, k_p, v_p, dout_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
-  dq, dk, dv, dbias = lax.fori_loop(0, ctx.n_groups, body, init)
+  def loop(ctx):
+    init = (jnp.zeros(q_p.shape, jnp.float32), jnp.zeros(k_p.shape, jnp.float32),
+            jnp.zeros(v_p.shape, jnp.float32), ctx.dbias_init(q_p.shape[0], num_buckets))
+    init = vma.like(init, q_p, k_p, v_p, dout_TxHxDv, offsets_Bp1, targets_B, bias_HxR)
+    dq, dk, dv, dbias = lax.fori_loop(0, ctx.n_groups, functools.partial(body, ctx), init)
+    return dq, dk, dv, ctx.dbias(dbias, num_buckets)
+
+  dq, dk, dv, dbias = ctx.switch(loop)
   return (token_major(dq, capacity, q_p.dtype), token_major(dk, capacity, k_p.dtype),
-          token_major(dv, capacity, v_p.dtype), None, None, ctx.dbias(dbias, num_buckets).astype(bias_HxR.dtype))
+          token_major(dv, capacity, v_p.dtype), None, None, dbias.astype(bias_HxR.dtype))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
