@@ -16,7 +16,7 @@ from gem_jax import ops
 from gem_jax.data.batch import Batch
 from gem_jax.data.spec import ads_feature_spec
 from gem_jax.jagged import Jagged, concat_rows, dense_to_jagged
-from gem_jax.model import interformer, wukong
+from gem_jax.model import interformer, layers, wukong
 from gem_jax.model.config import HSTUConfig, ModelConfig, WukongConfig
 from gem_jax.model.embeddings import TABLE_AXES, Table
 from gem_jax.model.gem import GEM
@@ -345,3 +345,25 @@ def test_stu_layer_form_is_generative_recommenders_production_layer():
   np.testing.assert_allclose(np.asarray(layer(x).values[:17]), np.asarray((x.values + y)[:17]), rtol=1e-4, atol=1e-5)
   with pytest.raises(ValueError, match="layer_form must be 'research' or 'stu'"):
     HSTUConfig(layer_form="sasrec")
+
+
+@pytest.mark.parametrize("rate", [0.2, 0.5, 0.9])
+def test_dropout_keeps_its_rate_scales_to_the_expectation_and_draws_each_element_apart(rate):
+  """layers.dropout on 1.6M elements with an odd last axis: the kept fraction is 1 - rate (within 5 standard
+  errors), a kept element is x / k for the kept probability k, neighbours (one 32-bit draw's two halves) and
+  the padded last column are kept independently, one key gives one mask and another key another."""
+  x = jnp.full((1000, 1601), 3.0, jnp.float32)
+  key = jax.random.key(7)
+  out = np.asarray(layers.dropout(x, rate, key))
+  kept = out != 0
+  k = 1.0 - rate
+  n = kept.size
+  assert abs(kept.mean() - k) < 5 * np.sqrt(k * (1 - k) / n)
+  np.testing.assert_allclose(out[kept], 3.0 * 65536 / round(k * 65536), rtol=1e-6)
+  # Neighbours share a draw: P(both kept) must be k^2, not k (same half) or anything else.
+  both = (kept[:, :-1:2] & kept[:, 1::2]).mean()
+  assert abs(both - k * k) < 5 * np.sqrt(k * k * (1 - k * k) / (n // 2))
+  assert abs(kept[:, -1].mean() - k) < 5 * np.sqrt(k * (1 - k) / kept.shape[0])
+  np.testing.assert_array_equal(np.asarray(layers.dropout(x, rate, key)), out)
+  assert (np.asarray(layers.dropout(x, rate, jax.random.key(8))) != out).any()
+  assert layers.dropout(x, rate, None) is x and layers.dropout(x, 0.0, key) is x

@@ -42,11 +42,21 @@ def tensor_sum(x):
 
 
 def dropout(x, rate: float, rng):
-  """Inverted dropout with an explicit key; the identity when rng is None or rate is 0 (evaluation)."""
+  """Inverted dropout with an explicit key; the identity when rng is None or rate is 0 (evaluation).
+
+  Each element is kept with probability k = round((1 - rate) 2^16) / 2^16, within 2^-17 of 1 - rate, and
+  scaled by 1 / k, so the expectation is exactly x. One 32-bit draw decides two neighbours along the last
+  axis (its low and high halves): threefry's bits are most of dropout's cost on CPU, and
+  jax.random.bernoulli draws 32 bits per element (2.5x the time on a 12,800 x 128 array, one-off timing).
+  The draws keep x's leading axes, so a layout sharded over them needs no reshuffle."""
   if rng is None or rate == 0.0:
     return x
-  keep = 1.0 - rate
-  return jnp.where(jax.random.bernoulli(rng, keep, x.shape), x / keep, 0.0).astype(x.dtype)
+  threshold = max(round((1.0 - rate) * 65536), 1)
+  d = x.shape[-1] if x.ndim else 1
+  bits = jax.random.bits(rng, x.shape[:-1] + (-(-d // 2),), jnp.uint32)
+  halves = jnp.stack([bits & 0xFFFF, bits >> 16], axis=-1).reshape(bits.shape[:-1] + (-1,))[..., :d]
+  keep = (halves < threshold).reshape(x.shape)
+  return jnp.where(keep, x * (65536.0 / threshold), 0.0).astype(x.dtype)
 
 
 def sharded(init, names: Sequence[str | None]):

@@ -104,13 +104,6 @@ class NormalizedRows:
     return l2_normalize(self.raw_IxD[ids])
 
 
-def _dropout(x, rate: float, rng):
-  if rng is None or rate == 0.0:
-    return x
-  keep = 1.0 - rate
-  return jnp.where(jax.random.bernoulli(rng, keep, x.shape), x / keep, 0.0).astype(x.dtype)
-
-
 class SeqRecModel(nnx.Module):
 
   def __init__(self, cfg: SeqRecModelConfig, num_items: int, *, rngs: nnx.Rngs):
