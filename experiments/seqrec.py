@@ -9,6 +9,7 @@ item, history excluded) under the leave-one-out protocol (gem_jax/run/next_item.
   python experiments/seqrec.py --dataset ml-100k --quick --out runs/seqrec-quick --resume
   python experiments/seqrec.py --dataset beauty --tower sasrec-ss --out runs/seqrec-beauty-sasrec
   python experiments/seqrec.py --dataset beauty --seeds 3 --out runs/seqrec-beauty --results results/seqrec/beauty.json
+  python experiments/seqrec.py --dataset ml-1m --train-through-valid 45 --out runs/seqrec-ml-1m-hstu-protocol
 
 Datasets (--data-dir, default ../shared/data or $GEM_JAX_DATA_DIR; the files are never copied here):
   ml-1m    ml-1m/ratings.dat (GroupLens) if present, else ml-1m/ml-1m_sequences_orig_ids.txt
@@ -19,6 +20,8 @@ validation and test metrics of the kept evaluation, a most-popular baseline, eve
 and the wall times. With --seeds N: one such folder per seed (OUT/seed-0, ...; train.seed and data.seed set
 to it) and OUT/seeds.json with the mean, standard deviation and per-seed HR@10 / NDCG@10 of validation and
 test; --results also writes that summary (the file format of results/seqrec/*.json).
+--train-through-valid EPOCHS is HSTU's protocol: the validation item is trained on as well, nothing is
+evaluated during training and the test split is read once after EPOCHS epochs (no validation metrics).
 """
 
 import argparse
@@ -44,6 +47,9 @@ def main(argv=None) -> int:
   p.add_argument("--evaluate", default=None, metavar="RUN_DIR",
                  help="no training: evaluate the kept (best/) parameters of a finished run under this command's "
                       "config, e.g. --set data.exclude_history=false, and print the metrics as JSON")
+  p.add_argument("--train-through-valid", type=int, default=0, metavar="EPOCHS",
+                 help="HSTU's protocol: train on the validation item too and test the parameters after EPOCHS "
+                      "epochs (data.train_through_valid; no periodic evaluation, no model selection)")
   p.add_argument("--seeds", type=int, default=0, help="train seeds 0..N-1, one folder each, and summarize them")
   p.add_argument("--results", default=None, help="with --seeds: also write the seed summary to this JSON file")
   args = p.parse_args(argv)
@@ -56,9 +62,14 @@ def main(argv=None) -> int:
 
   sets = list(args.set) + ([f"data.data_dir={os.path.normpath(args.data_dir)}"] if args.data_dir else []) + \
       ([f"mesh={args.mesh}"] if args.mesh else [])
+  if args.train_through_valid:
+    sets += ["data.train_through_valid=true", f"train.epochs={args.train_through_valid}", "train.select_metric=",
+             "train.patience=0", "train.eval_every_epochs=0"]
   cfg = apply_overrides(configs.seqrec(args.dataset, quick=args.quick, tower=args.tower), sets)
   if args.evaluate:
-    result = jobs.evaluate_checkpoint(cfg, args.evaluate, folder="best")
+    # A run trained through validation selected nothing: its parameters are the last checkpoint's.
+    result = jobs.evaluate_checkpoint(cfg, args.evaluate,
+                                      folder="checkpoints" if cfg.data.train_through_valid else "best")
     print(json.dumps({"run": args.evaluate, "step": result["step"], **result["evaluation"]}, indent=1))
     return 0
   out = args.out or f"runs/seqrec-{args.dataset}"

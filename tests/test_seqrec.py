@@ -130,6 +130,10 @@ def test_leave_one_out():
   assert split.train[0].tolist() == [1, 2, 3] and split.train[1].tolist() == [3]
   assert split.valid.targets.tolist() == [4, 1, 7] and split.test.targets.tolist() == [5, 2, 8]
   assert split.valid.prefixes[1].tolist() == [3] and split.test.prefixes[1].tolist() == [3, 1]
+  through = data.leave_one_out(_toy(), through_valid=True)  # HSTU's protocol: the validation item is trained on
+  assert [t.tolist() for t in through.train] == [[1, 2, 3, 4], [3, 1], list(range(1, 8))]
+  assert through.valid.targets.tolist() == [4, 1, 7] and through.test.targets.tolist() == [5, 2, 8]
+  assert [p.tolist() for p in through.test.prefixes] == [t.tolist() for t in through.train]
 
 
 def test_train_batches_pairs_next_items_and_truncate():

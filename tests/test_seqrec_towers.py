@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from gem_jax import configs, ops
+from gem_jax.check import ConfigError
 from gem_jax.config import apply_overrides
 from gem_jax.data import seqrec_source
 from gem_jax.jagged import Jagged
@@ -220,6 +221,55 @@ def test_the_test_split_is_read_only_after_the_last_training_step(tmp_path, monk
   assert set(summary["test"]) == cfg.task.metric_names()
   logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert not any(key.startswith("test/") for row in logged for key in row)
+
+
+def test_training_through_validation_reads_the_test_split_once_after_fixed_epochs(tmp_path, monkeypatch):
+  """HSTU's protocol (data.train_through_valid): the validation item is a training target, nothing is
+  evaluated during training, nothing selects, and the test split is read after the last step."""
+  with pytest.raises(ConfigError, match=r"train.epochs=20, train.select_metric='NDCG@10', train.eval_every_epochs=5"):
+    seqrec_source.SeqRecSource(_toy_cfg(tmp_path, "data.train_through_valid=true"))
+  events = []
+  real_next, real_eval = seqrec_source._Epochs.__next__, seqrec_source.SeqRecSource.eval_batches
+
+  def train_next(self):
+    batch = real_next(self)
+    events.append(("train", batch))
+    return batch
+
+  def eval_batches(self, split):
+    events.append((split, None))
+    return real_eval(self, split)
+
+  monkeypatch.setattr(seqrec_source._Epochs, "__next__", train_next)
+  monkeypatch.setattr(seqrec_source.SeqRecSource, "eval_batches", eval_batches)
+  cfg = _toy_cfg(tmp_path, "data.train_through_valid=true", "train.epochs=4", "train.select_metric=",
+                 "train.eval_every_epochs=0", "train.eval_every=1")
+  source = seqrec_source.SeqRecSource(cfg)
+  assert source.eval_splits == ("test",) and source.monitor_split is None
+  # Every user's validation item is the next item of its last training token.
+  held_out = dict(zip(range(len(source.split.valid.targets)), source.split.valid.targets.tolist()))
+  batch = next(iter(source.train_iterator()))
+  items, targets = np.asarray(batch.items.values), np.asarray(batch.targets_T)
+  ends = np.asarray(batch.items.offsets)[1:] - 1
+  trained = {int(items[e]) for e in ends if e >= 0} | set(targets[targets > 0].tolist())
+  assert len(set(held_out.values()) & trained) > 0
+  for user, seq in enumerate(source.dataset.sequences):
+    assert source.split.train[user].tolist() == seq[:-1].tolist()
+  events.clear()
+  run_dir = tmp_path / "run"
+  results = jobs.train_next_item(cfg, str(run_dir), report=False, log=lambda s: None)
+  names = [e for e, _ in events]
+  first_test = names.index("test")
+  assert "train" not in names[first_test:] and names[:first_test].count("train") >= results["steps"], names
+  assert results["valid"] is None and results["best_step"] is None and set(results["test"]) == cfg.task.metric_names()
+  logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  assert not any(key.startswith(("test/", "valid/")) for row in logged for key in row)  # eval_every=1 is moot
+  summary = seqrec_results.seed_summary([{"seed": 0, "valid": None, "test": results["test"]}])
+  assert "valid" not in summary and summary["test"]["mean"]["hr@10"] == results["test"]["HR@10"]
+  row, = seqrec_results.ablation_rows([str(run_dir)])
+  assert row["valid"] is None and row["epochs"] == row["kept_epoch"] == 4
+  assert row["changes"]["data.train_through_valid"] is True
+  assert "| - | - | 4 (4) |" in seqrec_results.markdown([row])
 
 
 # ---- seeds --------------------------------------------------------------------------------------------------

@@ -222,15 +222,18 @@ class EvalSplit:
 
 @dataclasses.dataclass(frozen=True)
 class LeaveOneOut:
-  train: list[np.ndarray]     # every item but the last two: the model is trained on next-item targets
+  train: list[np.ndarray]     # every item but the last two (through_valid: but the last one): the model is
+                              # trained on next-item targets
   valid: EvalSplit            # prefix = all but the last two items, target = second-to-last
   test: EvalSplit             # prefix = all but the last item, target = last
 
 
-def leave_one_out(ds: SeqDataset) -> LeaveOneOut:
+def leave_one_out(ds: SeqDataset, through_valid: bool = False) -> LeaveOneOut:
+  """The split. through_valid: HSTU's protocol, training on the validation item as well (the validation
+  split is then inside the training data and cannot select anything)."""
   seqs = ds.sequences
   return LeaveOneOut(
-      train=[s[:-2] for s in seqs],
+      train=[s[:-1] if through_valid else s[:-2] for s in seqs],
       valid=EvalSplit([s[:-2] for s in seqs], np.asarray([s[-2] for s in seqs], np.int32)),
       test=EvalSplit([s[:-1] for s in seqs], np.asarray([s[-1] for s in seqs], np.int32)))
 

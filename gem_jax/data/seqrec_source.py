@@ -12,7 +12,9 @@ the seed alone; its state (epoch, batch, generator states) resumes at the exact 
 Evaluation ("valid", "test"): every user once, the input the most recent max_len items before the target;
 each batch carries its rows' targets and a mask of every item of each row's whole history (excluded from
 the ranking; column 0, the padding id, too). exclude_history=False masks only column 0, to measure what the
-exclusion is worth.
+exclusion is worth. train_through_valid=True is HSTU's protocol: the validation item is trained on too, so
+the only evaluation is the test split, once, after a fixed number of epochs (the config must ask for no
+periodic evaluation and no model selection; ConfigError otherwise).
 
 Letters: B rows, T token capacity, K negatives, I items (+1: id 0 is padding). This module never drops a
 user silently: a user without a training pair is skipped by the protocol (said in its docstring), a row
@@ -49,6 +51,7 @@ class SeqRecDataConfig:
   batch_negatives: int = 512
   seed: int = 0
   exclude_history: bool = True      # rank every item but the row's history (the protocol); False: every item
+  train_through_valid: bool = False  # HSTU's protocol: train on the validation item too, test at a fixed epoch
 
   def __post_init__(self):
     if self.dataset not in data.DATASETS:
@@ -161,16 +164,35 @@ class _Epochs:
     self.rng.bit_generator.state = state["rng"]
 
 
+def _check_fixed_epochs(train) -> None:
+  """data.train_through_valid: no evaluation before the end and no selection (the source has no monitor
+  split, so a periodic evaluation asked for would silently not happen)."""
+  from gem_jax.check import ConfigError
+  wrong = {k: getattr(train, k) for k in ("select_metric", "patience", "eval_every_epochs") if getattr(train, k)}
+  if wrong or not train.epochs:
+    raise ConfigError("data.train_through_valid=true trains on the validation item, so the test split is read once "
+                      "after a fixed number of epochs: set train.epochs and leave train.select_metric, patience "
+                      "and eval_every_epochs unset (got "
+                      + ", ".join(f"train.{k}={v!r}" for k, v in {"epochs": train.epochs, **wrong}.items()) + ")")
+
+
 @register(SeqRecDataConfig)
 class SeqRecSource:
   name = "seqrec"
-  eval_splits = ("valid", "test")
+  splits = ("valid", "test")
 
   def __init__(self, cfg):
     self.config: SeqRecDataConfig = cfg.data
     self.batch_size = self.config.batch_size
+    through = self.config.train_through_valid
+    if through:
+      _check_fixed_epochs(cfg.train)
+    # What the trainer evaluates, and reads during training: with the validation item trained on, its split
+    # measures nothing held out, and the test split is read once, at the end.
+    self.eval_splits = ("test",) if through else self.splits
+    self.monitor_split = None if through else "valid"
     self.dataset = data.load(self.config.dataset, self.config.data_dir)
-    self.split = data.leave_one_out(self.dataset)
+    self.split = data.leave_one_out(self.dataset, through_valid=through)
     self.num_items = self.dataset.num_items
     self._eval: dict[str, list] = {}
 
@@ -185,8 +207,8 @@ class SeqRecSource:
     return next(_Epochs(self))
 
   def eval_batches(self, split: str) -> list[NextItemEvalBatch]:
-    if split not in self.eval_splits:
-      raise KeyError(f"the seqrec source's evaluation splits are {self.eval_splits}; got {split!r}")
+    if split not in self.splits:
+      raise KeyError(f"the seqrec source's evaluation splits are {self.splits}; got {split!r}")
     if split not in self._eval:
       c, s = self.config, getattr(self.split, split)
       out = []
@@ -240,7 +262,7 @@ class SeqRecSource:
     counts the validation targets too), each user's history excluded."""
     from gem_jax import metrics
     counts = np.bincount(np.concatenate(self.split.train), minlength=self.num_items + 1)
-    if split == "test":
+    if split == "test" and not self.config.train_through_valid:  # (trained through: already counted)
       counts = counts + np.bincount(self.split.valid.targets, minlength=self.num_items + 1)
     s = getattr(self.split, split)
     scores = counts.astype(np.float32)

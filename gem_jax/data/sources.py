@@ -9,6 +9,8 @@ class and `@register(ThatConfig)` in one new file (tests/test_run.py registers o
                               so a checkpoint resumes at the exact batch (a source with num_readers > 1
                               takes readers=... and yields shards.Part: build.Run.train_iterator)
   eval_batches(split)         a finite list of host batches of an evaluation split (splits: eval_splits)
+  monitor_split               optional: the split the periodic evaluation reads during training (default
+                              eval_splits[0]; None: none, nothing held out may be read before the end)
   first_batch()               a training batch with the run's shapes (placement, capacities, abstract traces)
   sample(rows, index)         a batch of `rows` training examples (the simulator's lookup samples)
   shard(batch, num_shards)    the batch split into data shards, every leaf with a leading dim of num_shards

@@ -161,7 +161,8 @@ class MetricsLog(Hook):
 
 
 class Evaluate(Hook):
-  """Periodic evaluation of the source's first split; with `select` (a metric name), model selection."""
+  """Periodic evaluation of the source's monitor split (default: its first evaluation split); with `select` (a
+  metric name), model selection."""
   key = "evaluate"
 
   def __init__(self, every: int, *, select: str = "", patience: int = 0, max_minutes: float = 0.0,
@@ -187,8 +188,14 @@ class Evaluate(Hook):
       return
     if last and not self.select:
       return  # the final evaluation reads every split anyway
+    # A source may name the split training may read (None: nothing held out, e.g. the next-item data trained
+    # through its validation item); by default its first evaluation split.
+    split = getattr(t.run.source, "monitor_split", t.run.source.eval_splits[0])
+    if split is None:
+      if over_time:
+        t.stop(f"time limit: {self.max_minutes} training minutes")
+      return
     t.mark_busy(t.step)
-    split = t.run.source.eval_splits[0]
     t.drain()  # the mean train loss since the last evaluation includes this step
     evaluation = trainer_lib.evaluate(t.run, t.run.whole_params(t.state.params), split)
     record = {"eval_step": t.step, **_loggable(evaluation, split)}

@@ -88,7 +88,8 @@ def train_next_item(cfg, out_dir: str, *, resume: bool = False, report: bool = T
       "config": dataclasses.asdict(cfg),
       "parameters": summary["params"]["sparse"] + summary["params"]["dense"],
       "best_step": selected.get("step"), "stop_reason": summary["stop_reason"], "steps": summary["steps"],
-      "valid": summary["valid"], "test": summary["test"],
+      # None when the run trained through the validation item (data.train_through_valid: nothing held out)
+      "valid": summary.get("valid"), "test": summary["test"],
       "baseline_most_popular": summary["baseline_most_popular"],
       "history": summary["evaluations"],
       "wall_s": {"total": summary["wall_s"], "compile": summary["compile_s"]},
@@ -142,6 +143,8 @@ def train_next_item_seeds(cfg, out_dir: str, seeds: list[int], *, resume: bool =
     with open(os.path.join(out_dir, "seeds.json"), "w") as f:
       json.dump(summary, f, indent=1)
   for split in ("valid", "test"):
+    if split not in summary:
+      continue
     s = summary[split]
     log(f"{split} over seeds {seeds}: " + " ".join(f"{m} {s['mean'][m]:.4f} +- {s['std'][m]:.4f}" for m in s["mean"]))
   return summary

@@ -26,9 +26,12 @@ SEED_METRICS = ("HR@10", "NDCG@10")
 def seed_summary(per_seed: list[dict], splits=("valid", "test"), metrics=SEED_METRICS) -> dict:
   """Mean, sample standard deviation (ddof 1; 0 for one seed) and the per-seed values of `metrics` in each
   split, from train_next_item results ({"seed", "valid": {...}, "test": {...}} each). Keys are lower case
-  ("hr@10"), as results/seqrec/*.json holds them."""
+  ("hr@10"), as results/seqrec/*.json holds them. A split some run has no metrics of (validation, for runs
+  trained through it) is left out."""
   out = {}
   for split in splits:
+    if any(r.get(split) is None for r in per_seed):
+      continue
     rows = [{"seed": r["seed"], **{m.lower(): float(r[split][m]) for m in metrics}} for r in per_seed]
     values = {m.lower(): np.array([row[m.lower()] for row in rows]) for m in metrics}
     out[split] = {"mean": {m: float(v.mean()) for m, v in values.items()},
@@ -75,10 +78,14 @@ def ablation_rows(run_dirs: list[str], metrics=SEED_METRICS) -> list[dict]:
     preset = json.loads(json.dumps(dataclasses.asdict(configs.seqrec(dataset, tower=tower)), default=str))
     per_epoch = res["steps"] / max(res["history"][-1].get("epoch", 1), 1) if res["history"] else None
     kept_epoch = round(res["best_step"] / per_epoch) if per_epoch and res["best_step"] else None
+    epochs = res["history"][-1].get("epoch") if res["history"] else None
+    if res.get("valid") is None:  # trained through validation: no evaluation before the fixed last epoch
+      epochs = kept_epoch = res["config"]["train"]["epochs"]
     rows.append({"run": os.path.basename(os.path.normpath(run_dir)), "dataset": dataset, "tower": tower,
                  "changes": changes(res["config"], preset),
-                 "valid": {m: res["valid"][m] for m in metrics}, "test": {m: res["test"][m] for m in metrics},
-                 "epochs": res["history"][-1].get("epoch") if res["history"] else None, "kept_epoch": kept_epoch,
+                 "valid": {m: res["valid"][m] for m in metrics} if res.get("valid") else None,
+                 "test": {m: res["test"][m] for m in metrics},
+                 "epochs": epochs, "kept_epoch": kept_epoch,
                  "stop_reason": res["stop_reason"], "wall_s": round(res["wall_s"]["total"])})
   return rows
 
@@ -90,7 +97,8 @@ def markdown(rows: list[dict], metrics=SEED_METRICS) -> str:
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
     change = ", ".join(f"{k}={v}" for k, v in r["changes"].items()) or "(the preset)"
-    lines.append(f"| {r['run']} | {r['tower']} | {change} | " + " | ".join(f"{r['valid'][m]:.4f}" for m in metrics) +
+    valid = [f"{r['valid'][m]:.4f}" if r["valid"] else "-" for m in metrics]  # "-": trained through validation
+    lines.append(f"| {r['run']} | {r['tower']} | {change} | " + " | ".join(valid) +
                  f" | {r['epochs']} ({r['kept_epoch']}) | {r['wall_s']} |")
   return "\n".join(lines)
 
