@@ -5,6 +5,7 @@
   python experiments/bench_hstu_stack.py --stacks S --impls xla --reps 20
   python experiments/bench_hstu_stack.py --no-rel-bias              # the layers without the relative bias
   python experiments/bench_hstu_stack.py --tiles --reps 10          # the attention alone at each tile config
+  python experiments/bench_hstu_stack.py --dense-dots --reps 5      # the dense attention's dots alone: a floor
   git worktree add /tmp/prev HEAD~1
   python experiments/bench_hstu_stack.py --baseline /tmp/prev     # the same stacks in another checkout, side by side
   python experiments/bench_hstu_stack.py --impls xla --flag-sets default ynn_dot onednn   # XLA:CPU options
@@ -49,11 +50,20 @@ def main(argv=None) -> int:
                  help="compare XLA_FLAGS sets of gem_jax/bench/xla_flags.py (the first the baseline) in this tree")
   p.add_argument("--tiles", action="store_true", help="instead: each stack's attention alone at every tile config "
                  "of the xla impl (pallas_kernels/hstu_attention/tiled.py CANDIDATES), in this process")
+  p.add_argument("--dense-dots", action="store_true", help="instead: the batched dots of the dense padded attention "
+                 "(impl reference) alone at each stack's shapes, and their total per step: a floor for that impl")
   p.add_argument("--out", default="runs/bench_hstu_stack.json")
   p.add_argument("--child", nargs=2, metavar=("STACK", "IMPL"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
     print(json.dumps(hstu_stack.child(*args.child, args.reps, args.seed, not args.no_rel_bias)))
+    return 0
+  if args.dense_dots:
+    rows = [hstu_stack.dense_dots(stack, reps=args.reps, seed=args.seed) for stack in args.stacks]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+      json.dump(rows, f, indent=1)
+    print("\n".join(hstu_stack.dense_dots_table(r) for r in rows))
     return 0
   if args.tiles:
     rows = [r for stack in args.stacks

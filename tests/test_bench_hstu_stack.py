@@ -67,3 +67,25 @@ def test_flag_sets_are_columns_of_one_tree_each_run_under_its_flags(bench, monke
   assert "ynn_dot" in table and "2.00x" in table
   with pytest.raises(ValueError, match="flag sets are compared within one tree"):
     bench.compare({"this": ".", "baseline": "/tmp"}, ["S"], ["xla"], reps=1, rounds=1, seed=0, flag_sets=sets)
+
+
+def test_dense_dots_time_each_form_and_count_two_calls_a_layer(bench, monkeypatch):
+  from gem_jax.bench import timing
+  monkeypatch.setitem(bench.STACKS, "T", {"model_dim": 16, "heads": 2, "head_dim": 8, "value_dim": 8, "layers": 3,
+                                          "batch": 4, "max_len": 24, "mean_len": 8})
+  # The three forms are the products the padded attention makes: w x, w^T x and q k^T per (row, head).
+  rng = np.random.default_rng(0)
+  w, x, y = rng.standard_normal((2, 1, 5, 5)), rng.standard_normal((2, 1, 5, 3)), rng.standard_normal((2, 1, 5, 3))
+  want = {"qk": x @ np.swapaxes(y, -1, -2), "wv": w @ x}
+  forms = {spec: np.einsum(spec, *((x, y) if which == "qk" else (w, x))) for _, spec, which in bench.DENSE_DOT_FORMS}
+  specs = [spec for _, spec, _ in bench.DENSE_DOT_FORMS]
+  np.testing.assert_allclose(forms[specs[0]], want["qk"])
+  np.testing.assert_allclose(forms[specs[1]], want["wv"])
+  np.testing.assert_allclose(forms[specs[2]], np.swapaxes(w, -1, -2) @ x)
+  fake = iter([1.0, 2.0, 4.0])
+  monkeypatch.setattr(timing, "median_ms", lambda fn, *args, reps: (fn(*args), next(fake, 5.0))[1])
+  r = bench.dense_dots("T", reps=1)
+  assert [f["ms"] for f in r["forms"]] == [1.0, 2.0, 4.0]
+  assert r["dots_per_step_s"] == pytest.approx(2 * 3 * 7.0 / 1e3)
+  assert r["forms"][0]["flops_per_s"] == pytest.approx(2 * 4 * 2 * 24 * 24 * 8 / 1e-3)
+  assert r["gemm_peak_flops_per_s"] > 0 and "x3 layers): 42 ms" in bench.dense_dots_table(r)

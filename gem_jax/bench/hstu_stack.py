@@ -184,6 +184,49 @@ def tile_configs(stack_name: str, *, reps: int, seed: int, rel_bias: bool = True
   return rows
 
 
+# The batched dots of one layer of the dense padded attention (impl "reference"), by operand form: each form
+# runs twice a layer (forward q.k^T and backward dO.v^T; forward w.v and backward dS.k; backward w^T.dO and dS^T.q).
+DENSE_DOT_FORMS = (("q.k^T: N x N out (fwd logits, bwd dW)", "bhid,bhjd->bhij", "qk"),
+                   ("w.v: N x D out, over keys (fwd out, bwd dq)", "bhij,bhjd->bhid", "wv"),
+                   ("w^T.x: N x D out, over queries (bwd dv, dk)", "bhij,bhid->bhjd", "wv"))
+
+
+def dense_dots(stack_name: str, *, reps: int, seed: int = 0) -> dict:
+  """What the dense padded attention's dots alone cost on this backend at a stack's B x H x N x N: each operand
+  form timed on its own (jitted, float32, median of `reps`), the stack's total for them (2 calls of each form a
+  layer, every layer), and a float32 GEMM measured in the same process. A floor for the `reference` impl's step:
+  its elementwise work and the rest of the layer come on top."""
+  import jax
+  import jax.numpy as jnp
+
+  from gem_jax.bench import timing
+
+  stack = STACKS[stack_name]
+  b, h, n, d = stack["batch"], stack["heads"], stack["max_len"], stack["head_dim"]
+  keys = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(keys[0], (b, h, n, d), jnp.float32)
+  operands = {"qk": (x, jax.random.normal(keys[1], (b, h, n, d), jnp.float32)),
+              "wv": (jax.random.normal(keys[2], (b, h, n, n), jnp.float32), x)}
+  flops = 2.0 * b * h * n * n * d
+  forms = []
+  for name, spec, which in DENSE_DOT_FORMS:
+    ms = timing.median_ms(jax.jit(lambda p, q, spec=spec: jnp.einsum(spec, p, q)), *operands[which], reps=reps)
+    forms.append({"form": name, "einsum": spec, "ms": ms, "flops_per_s": flops / (ms / 1e3)})
+  per_step_s = 2 * stack["layers"] * sum(f["ms"] for f in forms) / 1e3
+  return {"stack": stack_name, "shape": {"B": b, "H": h, "N": n, "D": d}, "forms": forms,
+          "dots_per_step_s": per_step_s, "gemm_peak_flops_per_s": timing.measured_gemm_peak(jnp.float32, 2048)}
+
+
+def dense_dots_table(result: dict) -> str:
+  lines = [f"stack {result['stack']} ({', '.join(f'{k}={v}' for k, v in result['shape'].items())}):"]
+  for f in result["forms"]:
+    lines.append(f"  {f['form']:46} {f['ms']:8.1f} ms {f['flops_per_s'] / 1e9:6.0f} GFLOP/s")
+  lines.append(f"  the dense attention's dots per step (x2 a layer, x{STACKS[result['stack']]['layers']} layers): "
+               f"{1e3 * result['dots_per_step_s']:.0f} ms; a 2048^3 GEMM here: "
+               f"{result['gemm_peak_flops_per_s'] / 1e9:.0f} GFLOP/s")
+  return "\n".join(lines)
+
+
 def tiles_table(rows: list[dict]) -> str:
   lines = [f"{'stack':5} {'block':>5} {'group':>5} {'fwd+bwd ms':>10} {'vs default':>10} {'pairs':>10}"]
   for r in rows:
