@@ -184,13 +184,38 @@ def _toy_cfg(tmp_path, *sets):
       "data.batch_negatives=2", "data.token_multiple=64", *sets])
 
 
+def test_hstu_ffn_follows_each_hstu_layer_with_the_gated_feed_forward():
+  """hstu_ffn: layer i's output goes through FFN i (eSASRec's formula, in numpy here) before layer i + 1; the
+  HSTU layers' own parameters are created as without it."""
+  cfg = SeqRecModelConfig(dim=8, head_dim=4, value_dim=4, num_layers=2, hstu_ffn=True, ffn_multiplier=2, max_len=6)
+  model = SeqRecModel(cfg, 9, rngs=nnx.Rngs(0))
+  plain = SeqRecModel(dataclasses.replace(cfg, hstu_ffn=False), 9, rngs=nnx.Rngs(0))
+  assert plain.ffns is None and len(model.ffns) == 2 and model.ffns[1].ffn_in.kernel.shape == (8, 32)
+  for a, b in zip(nnx.state(model.layers, nnx.Param).flat_state(), nnx.state(plain.layers, nnx.Param).flat_state()):
+    np.testing.assert_array_equal(a[1][...], b[1][...])
+  ids = jnp.array([3, 1, 4, 1, 5, 2, 6], jnp.int32)
+  items = Jagged(ids, jnp.array([0, 4, 7], jnp.int32))
+  x = Jagged(cfg.dim ** 0.5 * model.item_emb_IxD[...][ids] + model.pos_emb_NxD[...][items.positions()], items.offsets)
+  for layer, ffn in zip(model.layers, model.ffns):
+    h = np.asarray(layer(x).values)
+    a, g = np.split(_dense(_ln(h, ffn.norm_ffn), ffn.ffn_in), 2, axis=-1)
+    h = h + _sigmoid(_dense(h, ffn.gate_ffn)) * _dense(a * _sigmoid(a) * g, ffn.ffn_out)
+    x = x.replace_values(jnp.asarray(h, jnp.float32))
+  want = np.asarray(x.values) / np.linalg.norm(np.asarray(x.values), axis=-1, keepdims=True)
+  np.testing.assert_allclose(np.asarray(model.encode(items)), want, rtol=2e-5, atol=2e-6)
+  assert not np.allclose(np.asarray(plain.encode(items)), want, atol=1e-3)
+  with pytest.raises(ValueError, match="hstu_ffn adds a feed-forward to HSTU layers; arch 'sasrec'"):
+    SeqRecModelConfig(arch="sasrec", hstu_ffn=True)
+
+
 @pytest.mark.parametrize("sets", [
     ("model.arch=sasrec", "model.normalize=false", "task.temperature=1.0", "task.negatives=per_token",
      "task.num_negatives=8"),
     ("model.arch=esasrec", "model.ffn_multiplier=2", "task.loss=bce", "task.negatives=per_token",
      "task.num_negatives=1", "task.temperature=1.0", "model.normalize=false"),
     ("model.rel_bias=false", "model.embed_scale=false"),
-], ids=["sasrec-ss", "esasrec-bce", "hstu-no-bias"])
+    ("model.hstu_ffn=true", "model.ffn_multiplier=2"),
+], ids=["sasrec-ss", "esasrec-bce", "hstu-no-bias", "hstu-ffn"])
 def test_every_tower_and_loss_trains_through_the_spine(tmp_path, sets):
   cfg = _toy_cfg(tmp_path, "model.dropout_rate=0.0", "train.learning_rate=0.01", *sets)
   run = build(cfg)

@@ -81,6 +81,32 @@ class SoftmaxBlock(nnx.Module):
     normed_TxD = self.norm_attn(x_TxD)
     attn_TxD = drop(self._attention(normed_TxD, normed_TxD, x.offsets), 0)
     x_TxD = x_TxD + jax.nn.sigmoid(self.gate_attn(x_TxD)) * attn_TxD
-    a_TxF, b_TxF = jnp.split(self.ffn_in(self.norm_ffn(x_TxD)), 2, axis=-1)
-    ffn_TxD = drop(self.ffn_out(drop(jax.nn.silu(a_TxF) * b_TxF, 1)), 2)
-    return x.replace_values(x_TxD + jax.nn.sigmoid(self.gate_ffn(x_TxD)) * ffn_TxD)
+    return x.replace_values(_gated_ffn(self, x_TxD, lambda y, i: drop(y, i + 1)))
+
+
+def _gated_ffn(layers, x_TxD, drop):
+  """x + sigmoid(Wg x + b) * Dropout(W2 Dropout(SiLU(W1 LN(x)) * W3 LN(x))) with `layers`' norm_ffn, ffn_in
+  ([W1 | W3]), ffn_out and gate_ffn; drop(y, i) is the i-th dropout (0, 1)."""
+  a_TxF, b_TxF = jnp.split(layers.ffn_in(layers.norm_ffn(x_TxD)), 2, axis=-1)
+  ffn_TxD = drop(layers.ffn_out(drop(jax.nn.silu(a_TxF) * b_TxF, 0)), 1)
+  return x_TxD + jax.nn.sigmoid(layers.gate_ffn(x_TxD)) * ffn_TxD
+
+
+class GatedFFN(nnx.Module):
+  """eSASRec's gated feed-forward half on its own (module docstring, esasrec's second line), width
+  ffn_multiplier * D: what the next-item model's `hstu_ffn` puts after each HSTU layer, which has none."""
+
+  def __init__(self, cfg: ModelConfig, *, ffn_multiplier: int, dropout_rate: float, site: str, rngs: nnx.Rngs):
+    d = cfg.model_dim
+    f = ffn_multiplier * d
+    dense = lambda n_in, n_out, name, **kw: Dense(n_in, n_out, ("embed", "mlp"), cfg, site=f"{site}.{name}",
+                                                  rngs=rngs, **kw)
+    self.dropout_rate = dropout_rate
+    self.norm_ffn = LayerNorm(d, cfg, rngs=rngs)
+    self.ffn_in = dense(d, 2 * f, "ffn_in", use_bias=False)   # [W1 | W3]
+    self.ffn_out = dense(f, d, "ffn_out", use_bias=False)
+    self.gate_ffn = dense(d, d, "gate_ffn")
+
+  def __call__(self, x: Jagged, *, dropout_rng=None) -> Jagged:
+    rngs = [None] * 2 if dropout_rng is None else list(jax.random.split(dropout_rng, 2))
+    return x.replace_values(_gated_ffn(self, x.values, lambda y, i: dropout(y, self.dropout_rate, rngs[i])))

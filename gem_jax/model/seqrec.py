@@ -6,9 +6,11 @@
   -> dropout -> L x layer (jagged, causal)
   -> L2 normalize (normalize=True)                           = the user embedding after each token
 
-The layer (`arch`): "hstu", gem-jax's HSTULayer (relative-position bias, linear dropout); "sasrec" and
-"esasrec", the softmax-attention blocks of gem_jax/model/sasrec.py, which set the model/loss comparison
-apart from the code around it (same embeddings, losses, task and metrics).
+The layer (`arch`): "hstu", gem-jax's HSTULayer (relative-position bias, linear dropout), with hstu_ffn
+each followed by eSASRec's gated feed-forward (FuXi-alpha, Ye et al. 2025, also follows its HSTU-style
+attention with a feed-forward network); "sasrec" and "esasrec", the softmax-attention blocks of
+gem_jax/model/sasrec.py, which set the model/loss comparison apart from the code around it (same
+embeddings, losses, task and metrics).
 
 An item's output embedding is its input row of the same table (L2 normalized when the user embedding is);
 a score is the dot product of the two (divided by a temperature in the loss). The defaults are the setup of
@@ -51,7 +53,7 @@ class SeqRecModelConfig:
   attn_block: int = 0         # sasrec / esasrec, impl xla: the softmax loop's tile edge; 0: its default (16)
   attn_group: int = 0         # sasrec / esasrec, impl xla: the softmax loop's tiles per step; 0: its default (8)
   arch: str = "hstu"          # "hstu", "sasrec" or "esasrec" (module docstring)
-  ffn_multiplier: int = 1     # sasrec / esasrec: feed-forward width = ffn_multiplier * dim
+  ffn_multiplier: int = 1     # sasrec / esasrec / hstu_ffn: feed-forward width = ffn_multiplier * dim
   normalize: bool = True      # L2-normalize user and item embeddings (False: raw dot products, as SASRec)
   embed_scale: bool = True    # multiply item embeddings by sqrt(dim) at the input
   rel_bias: bool = True       # hstu: the relative-position attention bias
@@ -60,12 +62,16 @@ class SeqRecModelConfig:
                                  # "from_end" (the newest is 0, as RecTools' SASRec's inverse positions)
   table_dropout: bool = False  # training: dropout (dropout_rate) on the output item table too, as RecTools does
   qk_scale: float = 0.0       # hstu: the scale of q.k before the SiLU; 0: 1 / sqrt(head_dim)
+  hstu_ffn: bool = False      # hstu: eSASRec's gated feed-forward (width ffn_multiplier * dim) after each layer
 
   def __post_init__(self):
     if self.arch not in ("hstu",) + sasrec.ARCHS:
       raise ValueError(f"SeqRecModelConfig: arch must be one of {('hstu',) + sasrec.ARCHS}, got {self.arch!r}")
     if self.positions not in ("from_start", "from_end"):
       raise ValueError(f"SeqRecModelConfig: positions must be 'from_start' or 'from_end', got {self.positions!r}")
+    if self.hstu_ffn and self.arch != "hstu":
+      raise ValueError(f"SeqRecModelConfig: hstu_ffn adds a feed-forward to HSTU layers; arch {self.arch!r} "
+                       "has its own")
     if self.ffn_multiplier < 1:
       raise ValueError(f"SeqRecModelConfig: ffn_multiplier must be >= 1, got {self.ffn_multiplier}")
     if self.attn_block < 0 or self.attn_group < 0:
@@ -123,9 +129,13 @@ class SeqRecModel(nnx.Module):
     else:
       self.layers = nnx.List([sasrec.SoftmaxBlock(cfg.arch, mcfg, cfg.max_len, ffn_multiplier=cfg.ffn_multiplier,
                                                   dropout_rate=cfg.dropout_rate, attn_impl=cfg.attn_impl,
-                                                  attn_block=cfg.attn_block, attn_group=cfg.attn_group, site=f"layers.{i}", rngs=rngs)
+                                                  attn_block=cfg.attn_block, attn_group=cfg.attn_group,
+                                                  site=f"layers.{i}", rngs=rngs)
                               for i in range(cfg.num_layers)])
     self.final_norm = LayerNorm(cfg.dim, mcfg, rngs=rngs) if cfg.arch == "sasrec" else None
+    self.ffns = nnx.List([sasrec.GatedFFN(mcfg, ffn_multiplier=cfg.ffn_multiplier, dropout_rate=cfg.dropout_rate,
+                                          site=f"layers.{i}.ffn", rngs=rngs)
+                          for i in range(cfg.num_layers)]) if cfg.hstu_ffn else None
 
   def encode(self, items: Jagged, dropout_rng=None):
     """items: Jagged (T,) int32 item ids, rows of at most max_len (the batch builder checks it on the host:
@@ -142,8 +152,12 @@ class SeqRecModel(nnx.Module):
     scale = self.cfg.dim ** 0.5 if self.cfg.embed_scale else 1.0
     x_TxD = scale * self.item_emb_IxD[...][ids_T] + self.pos_emb_NxD[...][pos_T]
     x = Jagged(dropout(x_TxD, self.cfg.dropout_rate, rngs[0]), items.offsets)
-    for layer, rng in zip(self.layers, rngs[1:]):
-      x = layer(x, dropout_rng=rng)
+    for i, (layer, rng) in enumerate(zip(self.layers, rngs[1:])):
+      if self.ffns is None:
+        x = layer(x, dropout_rng=rng)
+        continue
+      layer_rng, ffn_rng = (None, None) if rng is None else jax.random.split(rng)
+      x = self.ffns[i](layer(x, dropout_rng=layer_rng), dropout_rng=ffn_rng)
     user_TxD = x.values if self.final_norm is None else self.final_norm(x.values)
     return l2_normalize(user_TxD) if self.cfg.normalize else user_TxD.astype(jnp.float32)
 
