@@ -12,7 +12,6 @@ import pytest
 from flax import nnx
 
 from gem_jax import configs, ops
-from gem_jax.check import ConfigError
 from gem_jax.config import apply_overrides
 from gem_jax.data import seqrec_source
 from gem_jax.jagged import Jagged
@@ -251,7 +250,7 @@ def test_the_test_split_is_read_only_after_the_last_training_step(tmp_path, monk
 def test_training_through_validation_reads_the_test_split_once_after_fixed_epochs(tmp_path, monkeypatch):
   """HSTU's protocol (data.train_through_valid): the validation item is a training target, nothing is
   evaluated during training, nothing selects, and the test split is read after the last step."""
-  with pytest.raises(ConfigError, match=r"train.epochs=20, train.select_metric='NDCG@10', train.eval_every_epochs=5"):
+  with pytest.raises(ValueError, match=r"train.epochs=20, train.select_metric='NDCG@10', train.eval_every_epochs=5"):
     seqrec_source.SeqRecSource(_toy_cfg(tmp_path, "data.train_through_valid=true"))
   events = []
   real_next, real_eval = seqrec_source._Epochs.__next__, seqrec_source.SeqRecSource.eval_batches

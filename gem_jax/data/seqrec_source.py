@@ -14,7 +14,7 @@ each batch carries its rows' targets and a mask of every item of each row's whol
 the ranking; column 0, the padding id, too). exclude_history=False masks only column 0, to measure what the
 exclusion is worth. train_through_valid=True is HSTU's protocol: the validation item is trained on too, so
 the only evaluation is the test split, once, after a fixed number of epochs (the config must ask for no
-periodic evaluation and no model selection; ConfigError otherwise).
+periodic evaluation and no model selection; ValueError otherwise).
 
 Letters: B rows, T token capacity, K negatives, I items (+1: id 0 is padding). This module never drops a
 user silently: a user without a training pair is skipped by the protocol (said in its docstring), a row
@@ -167,13 +167,12 @@ class _Epochs:
 def _check_fixed_epochs(train) -> None:
   """data.train_through_valid: no evaluation before the end and no selection (the source has no monitor
   split, so a periodic evaluation asked for would silently not happen)."""
-  from gem_jax.check import ConfigError
   wrong = {k: getattr(train, k) for k in ("select_metric", "patience", "eval_every_epochs") if getattr(train, k)}
   if wrong or not train.epochs:
-    raise ConfigError("data.train_through_valid=true trains on the validation item, so the test split is read once "
-                      "after a fixed number of epochs: set train.epochs and leave train.select_metric, patience "
-                      "and eval_every_epochs unset (got "
-                      + ", ".join(f"train.{k}={v!r}" for k, v in {"epochs": train.epochs, **wrong}.items()) + ")")
+    raise ValueError("data.train_through_valid=true trains on the validation item, so the test split is read once "
+                     "after a fixed number of epochs: set train.epochs and leave train.select_metric, patience "
+                     "and eval_every_epochs unset (got "
+                     + ", ".join(f"train.{k}={v!r}" for k, v in {"epochs": train.epochs, **wrong}.items()) + ")")
 
 
 @register(SeqRecDataConfig)
