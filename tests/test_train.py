@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import pytest
 
@@ -67,11 +68,16 @@ def test_tiny_run_writes_outputs_and_resume_is_exact_in_either_hook_order(tmp_pa
   # train step once: the state build() places, and the restored one, have the shardings the step returns
   # (else jit traces and compiles the step again at the second step).
   traces = _count_step_traces(monkeypatch)
+  t0 = time.perf_counter()
   train(cfg, part, progress=False, stop_after=8)
+  first_process_s = time.perf_counter() - t0
   assert max(_losses(part)) == 8 and len(traces) == 1
   assert not os.path.exists(os.path.join(part, "report.json"))   # a stopped run writes no report
   resumed = train(cfg, part, resume=True, progress=False, report=False)
   assert len(traces) == 2
+  # The run's wall time counts the first process through its checkpoint at step 8, not this process alone.
+  before = resumed["wall_s"] - resumed["wall_s_this_run"]
+  assert 0 < before <= first_process_s, (before, first_process_s)
   expected, got = _losses(full), _losses(part)
   assert sorted(got) == list(range(1, STEPS + 1))
   for step in range(1, STEPS + 1):

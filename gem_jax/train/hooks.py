@@ -91,6 +91,7 @@ class Checkpoint(Hook):
     t.state = type(state)(state.params, t.run.optimizer.with_schedule(state.opt_state), state.step, state.rng)
     t.step = t.start_step = step
     t.data.set_state(extra["data"])
+    t.wall_before = float(extra.get("wall_s", 0.0))   # checkpoints written before it was recorded: 0
     # In the dtype they were summed in (float32 label sums): JSON gives float64, and summing on in float64
     # would move the base rate in its ninth digit against an unbroken run.
     dtypes = extra.get("counter_dtypes", {})
@@ -108,7 +109,8 @@ class Checkpoint(Hook):
       return
     t.mark_busy(t.step)
     t.event("save_begin", t.step)
-    extra = {"data": t.data.get_state(), "counters": {k: np.asarray(v).tolist() for k, v in t.counters.items()},
+    extra = {"data": t.data.get_state(), "wall_s": t.wall_s(),
+             "counters": {k: np.asarray(v).tolist() for k, v in t.counters.items()},
              "counter_dtypes": {k: str(np.asarray(v).dtype) for k, v in t.counters.items()},
              "hooks": {h.key: h.state_dict() for h in t.hooks}}
     # A copy: the next step donates the state, and an async save must not read donated buffers.

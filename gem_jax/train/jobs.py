@@ -92,7 +92,9 @@ def train_next_item(cfg, out_dir: str, *, resume: bool = False, report: bool = T
       "valid": summary.get("valid"), "test": summary["test"],
       "baseline_most_popular": summary["baseline_most_popular"],
       "history": summary["evaluations"],
-      "wall_s": {"total": summary["wall_s"], "compile": summary["compile_s"]},
+      # total: every process of a resumed run (Trainer.wall_s); this_process: the one that finished it
+      "wall_s": {"total": summary["wall_s"], "this_process": summary["wall_s_this_run"],
+                 "compile": summary["compile_s"]},
       "platform": {"backend": jax.default_backend(), "devices": jax.device_count(), "cpus": os.cpu_count(),
                    "jax": jax.__version__}}
   if jax.process_index() == 0:

@@ -78,6 +78,8 @@ class Trainer:
     self.run, self.out_dir, self.hooks = run, out_dir, list(hooks)
     self.writes_files = jax.process_index() == 0
     self.t_start = time.perf_counter()
+    self.wall_before = 0.0                    # wall seconds of the earlier processes of a resumed run, through
+                                              # the checkpoint this one restored (the checkpoint hook sets it)
     self.total_steps = total_steps(run)
     self.end_step = self.total_steps if stop_after is None else min(stop_after, self.total_steps)
     self.state = run.state
@@ -94,6 +96,11 @@ class Trainer:
     self.checkpointer = None                  # the run's checkpoints (set by the checkpoint hook's restore)
     self._pending = None
     os.makedirs(out_dir, exist_ok=True)
+
+  def wall_s(self) -> float:
+    """The run's wall seconds so far: this process's, plus its earlier processes' through the checkpoint it
+    resumed from (time they spent after their last checkpoint was lost with them and is not counted)."""
+    return self.wall_before + time.perf_counter() - self.t_start
 
   def stop(self, reason: str) -> None:
     self.stop_reason = self.stop_reason or reason
@@ -247,7 +254,8 @@ def train(run, out_dir: str, hooks: list, *, resume: bool = False, stop_after: i
       "config": run.cfg.name, "steps": t.step, "steps_this_run": steps_run, "batch_size": batch_rows,
       "stop_reason": t.stop_reason or "steps",
       "examples_per_s": (steps_run - 1) * batch_rows / train_s if steps_run > 1 and train_s > 0 else None,
-      "compile_s": t.compile_s, "wall_s": time.perf_counter() - t.t_start, "params": flops.param_counts(run),
+      "compile_s": t.compile_s, "wall_s": t.wall_s(), "wall_s_this_run": time.perf_counter() - t.t_start,
+      "params": flops.param_counts(run),
       # What a tolerating input policy did (hashed ids, truncated histories, masked labels); {} for most sources.
       "input_counters": run.input_counters(),
       **task_summary, **_parts(t, "summary")}
