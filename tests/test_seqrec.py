@@ -152,6 +152,58 @@ def test_train_batches_pairs_next_items_and_truncate():
   assert rows == {0: ([1, 2], [2, 3]), 2: ([2, 3, 4, 5], [3, 4, 5, 6])}
 
 
+def test_random_windows_are_whole_consecutive_runs_and_reach_every_pair():
+  """train_window="random": each row is max_len + 1 consecutive training items of its user (inputs, next
+  items), a short user's are all kept, and over epochs every training pair of a long user is trained on."""
+  split = data.leave_one_out(_toy())  # training items: user 0 [1, 2, 3], user 2 [1..6]
+  rng = np.random.default_rng(0)
+  windows, pairs = {0: set(), 2: set()}, set()
+  for _ in range(12):
+    for b in data.train_batches(split.train, batch_size=2, max_len=3, multiple=8, rng=rng, random_windows=True):
+      off = b.items.offsets
+      for r, u in enumerate(b.row_user_B):
+        if u < 0:
+          continue
+        x, y = b.items.values[off[r]:off[r + 1]].tolist(), b.targets_T[off[r]:off[r + 1]].tolist()
+        seq = split.train[u].tolist()
+        start = seq.index(x[0])
+        assert x == seq[start:start + len(x)] and y == seq[start + 1:start + len(x) + 1]
+        windows[int(u)].add(tuple(x))
+        pairs |= {(int(u), a, c) for a, c in zip(x, y)}
+  assert windows[0] == {(1, 2)}
+  assert windows[2] == {(1, 2, 3), (2, 3, 4), (3, 4, 5)}  # every end a whole window of 4 can have
+  assert {(u, a, c) for u, a, c in pairs if u == 2} == {(2, a, a + 1) for a in range(1, 6)}
+
+
+def test_random_window_stream_resumes_at_the_exact_batch(tmp_path):
+  """The windows come from the source's one generator: a stream restored from its JSON state replays the
+  same batches, and the random windows differ from the last ones for users longer than a window."""
+  cfg = apply_overrides(configs.seqrec("ml-100k", quick=True), [
+      f"data.data_dir={toy_u_data(tmp_path)}", "data.batch_size=4", "data.token_multiple=32",
+      "data.max_len=4", "data.train_window=random"])
+  source = seqrec_source.SeqRecSource(cfg)
+  stream = source.train_iterator()
+  for _ in range(9):  # past the first epoch's end (24 users, 4 a batch)
+    next(stream)
+  state = json.loads(json.dumps(stream.get_state()))
+  ahead = [next(stream) for _ in range(4)]
+  restored = source.train_iterator()
+  restored.set_state(state)
+  for a, b in zip(ahead, [next(restored) for _ in range(4)]):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  last = seqrec_source.SeqRecSource(apply_overrides(cfg, ["data.train_window=last"])).train_iterator()
+  random_rows, last_rows = [], []
+  for stream_, rows in ((source.train_iterator(), random_rows), (last, last_rows)):
+    for _ in range(6):
+      b = next(stream_)
+      off = np.asarray(b.items.offsets)
+      rows += [np.asarray(b.items.values)[off[r]:off[r + 1]].tolist() for r in range(len(off) - 1)]
+  assert random_rows != last_rows
+  with pytest.raises(ValueError, match="data.train_window: 'all' is not 'last' or 'random'"):
+    apply_overrides(cfg, ["data.train_window=all"])
+
+
 def test_eval_batches_cover_every_user_once():
   split = data.leave_one_out(_toy())
   seen = []

@@ -280,19 +280,29 @@ def epoch_users(train: list[np.ndarray], rng: np.random.Generator) -> list[int]:
 
 
 def train_batch(train: list[np.ndarray], users: list[int], *, batch_size: int, max_len: int,
-                multiple: int) -> SeqBatch:
-  """The batch of `users`: each row the user's last max_len + 1 training items as (input, next item) pairs."""
-  seqs = [train[u][-(max_len + 1):] for u in users]
+                multiple: int, window_rng: np.random.Generator | None = None) -> SeqBatch:
+  """The batch of `users`: each row max_len + 1 consecutive training items of its user as (input, next item)
+  pairs, the last ones; with window_rng, a window whose end is drawn uniformly over every position a whole
+  window can end at (one draw per row, so a user with fewer items keeps them all)."""
+  window = max_len + 1
+  seqs = [train[u] for u in users]
+  if window_rng is None:
+    ends = [s.shape[0] for s in seqs]
+  else:
+    lengths = np.asarray([s.shape[0] for s in seqs], np.int64)
+    ends = window_rng.integers(np.minimum(lengths, window), lengths + 1) if seqs else []
+  seqs = [s[max(0, int(e) - window):int(e)] for s, e in zip(seqs, ends)]
   return pack([s[:-1] for s in seqs], [s[1:] for s in seqs], list(users), batch_size, multiple)
 
 
 def train_batches(train: list[np.ndarray], *, batch_size: int, max_len: int, multiple: int,
-                  rng: np.random.Generator) -> Iterator[SeqBatch]:
-  """One epoch of training batches (epoch_users, then train_batch per chunk of batch_size users)."""
+                  rng: np.random.Generator, random_windows: bool = False) -> Iterator[SeqBatch]:
+  """One epoch of training batches (epoch_users, then train_batch per chunk of batch_size users; with
+  random_windows, each batch's windows are drawn from rng)."""
   users = epoch_users(train, rng)
   for start in range(0, len(users), batch_size):
     yield train_batch(train, users[start:start + batch_size], batch_size=batch_size, max_len=max_len,
-                      multiple=multiple)
+                      multiple=multiple, window_rng=rng if random_windows else None)
 
 
 def eval_batches(split: EvalSplit, *, batch_size: int, max_len: int, multiple: int) -> Iterator[SeqBatch]:

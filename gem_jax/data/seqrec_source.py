@@ -2,11 +2,12 @@
 (gem_jax/data/seqrec.py) as training epochs and full-ranking evaluation batches.
 
 Training: each epoch visits the users with at least two training items in a random order, a batch of
-`batch_size` rows, each row the user's last max_len + 1 training items as (input, next item) pairs. Every
+`batch_size` rows, each row the user's last max_len + 1 training items as (input, next item) pairs (with
+train_window="random", max_len + 1 consecutive ones ending at a position drawn per row and batch). Every
 batch carries one set of negatives shared by all its tokens: `uniform_negatives` items drawn uniformly from
 the catalog plus `batch_negatives` targets of the batch itself (so popular items appear as often as they
 are targets), with the log of each item's expected count in the set (the logQ correction). One numpy
-generator (seed) draws the epoch orders and the negatives, in that order, so the stream is a function of
+generator (seed) draws the epoch orders, the windows and the negatives, in that order, so the stream is a function of
 the seed alone; its state (epoch, batch, generator states) resumes at the exact batch.
 
 Evaluation ("valid", "test"): every user once, the input the most recent max_len items before the target;
@@ -52,6 +53,7 @@ class SeqRecDataConfig:
   seed: int = 0
   exclude_history: bool = True      # rank every item but the row's history (the protocol); False: every item
   train_through_valid: bool = False  # HSTU's protocol: train on the validation item too, test at a fixed epoch
+  train_window: str = "last"        # a training row's items: "last" max_len + 1, or a "random" window of them
 
   def __post_init__(self):
     if self.dataset not in data.DATASETS:
@@ -61,6 +63,8 @@ class SeqRecDataConfig:
     if self.uniform_negatives < 0 or self.batch_negatives < 0 or self.uniform_negatives + self.batch_negatives < 1:
       raise ValueError("data: need at least one negative (uniform_negatives + batch_negatives >= 1), got "
                        f"{self.uniform_negatives} + {self.batch_negatives}")
+    if self.train_window not in ("last", "random"):
+      raise ValueError(f"data.train_window: {self.train_window!r} is not 'last' or 'random'")
 
 
 @jax.tree_util.register_dataclass
@@ -144,7 +148,8 @@ class _Epochs:
     chunk = self.users[self.index * c.batch_size:(self.index + 1) * c.batch_size]
     self.index += 1
     batch = data.train_batch(self.src.split.train, chunk, batch_size=c.batch_size, max_len=c.max_len,
-                             multiple=c.token_multiple)
+                             multiple=c.token_multiple,
+                             window_rng=self.rng if c.train_window == "random" else None)
     check_rows(batch, c.max_len)
     neg, logq_neg, logq_pos = sample_negatives(self.rng, batch.targets_T, self.src.num_items,
                                                c.uniform_negatives, c.batch_negatives)
