@@ -290,7 +290,7 @@ def train_batch(train: list[np.ndarray], users: list[int], *, batch_size: int, m
     ends = [s.shape[0] for s in seqs]
   else:
     lengths = np.asarray([s.shape[0] for s in seqs], np.int64)
-    ends = window_rng.integers(np.minimum(lengths, window), lengths + 1) if seqs else []
+    ends = window_rng.integers(np.minimum(lengths, window), lengths + 1)
   seqs = [s[max(0, int(e) - window):int(e)] for s, e in zip(seqs, ends)]
   return pack([s[:-1] for s in seqs], [s[1:] for s in seqs], list(users), batch_size, multiple)
 

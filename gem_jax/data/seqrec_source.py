@@ -7,8 +7,8 @@ train_window="random", max_len + 1 consecutive ones ending at a position drawn p
 batch carries one set of negatives shared by all its tokens: `uniform_negatives` items drawn uniformly from
 the catalog plus `batch_negatives` targets of the batch itself (so popular items appear as often as they
 are targets), with the log of each item's expected count in the set (the logQ correction). One numpy
-generator (seed) draws the epoch orders, the windows and the negatives, in that order, so the stream is a function of
-the seed alone; its state (epoch, batch, generator states) resumes at the exact batch.
+generator (seed) draws the epoch orders, the windows and the negatives, in that order, so the stream is a
+function of the seed alone; its state (epoch, batch, generator states) resumes at the exact batch.
 
 Evaluation ("valid", "test"): every user once, the input the most recent max_len items before the target;
 each batch carries its rows' targets and a mask of every item of each row's whole history (excluded from
