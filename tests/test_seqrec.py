@@ -6,6 +6,7 @@ Tests that read ../shared/data (or $GEM_JAX_DATA_DIR) skip with a message naming
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -431,17 +432,25 @@ def test_step_bench_times_variants_of_one_preset_on_the_same_batches(tmp_path):
 
 @pytest.mark.slow
 def test_interrupted_next_item_run_resumes_to_the_same_metrics(tmp_path):
-  """Stopped mid-epoch (between evaluations) and resumed, a run ends on exactly the uninterrupted metrics:
-  the source's epoch order, its negatives and the selection hook's best checkpoint all resume."""
+  """Killed after a selecting evaluation and before its next checkpoint, then resumed, a run ends on exactly
+  the uninterrupted metrics: the source's epoch order, its negatives and the selection hook's best checkpoint
+  all resume, and the best parameters the killed run saved past its checkpoint are replayed, not refused."""
   cfg = apply_overrides(configs.seqrec("ml-100k", quick=True), [
       f"data.data_dir={toy_u_data(tmp_path)}", "data.batch_size=8", "data.token_multiple=64",
-      "train.epochs=6", "train.eval_every_epochs=2", "train.checkpoint_every=2"])
+      "train.epochs=6", "train.eval_every_epochs=2", "train.checkpoint_every=4"])
   whole = jobs.train_config(cfg, str(tmp_path / "whole"), progress=False, report=False)
-  jobs.train_config(cfg, str(tmp_path / "cut"), progress=False, report=False, stop_after=7)
-  resumed = jobs.train_config(cfg, str(tmp_path / "cut"), progress=False, report=False, resume=True)
-  assert resumed["steps"] == whole["steps"] == 18 and resumed["steps_this_run"] == 18 - 7
+  cut = tmp_path / "cut"
+  jobs.train_config(cfg, str(cut), progress=False, report=False, stop_after=7)
+  # Steps are 3 an epoch: the evaluation at 6 saved best/6; the kill takes the checkpoint stop_after wrote at 7.
+  assert sorted(os.listdir(cut / "best")) == ["6"]
+  shutil.rmtree(cut / "checkpoints" / "7")
+  resumed = jobs.train_config(cfg, str(cut), progress=False, report=False, resume=True)
+  assert resumed["steps"] == whole["steps"] == 18 and resumed["steps_this_run"] == 18 - 4
   assert resumed["test"] == whole["test"] and resumed["valid"] == whole["valid"]
   assert resumed["selected"] == whole["selected"]
+  with open(cut / "metrics.jsonl") as f:
+    events = [r for r in map(json.loads, f) if r.get("event") == "best_replayed"]
+  assert [(e["step"], e["dropped_steps"]) for e in events] == [(4, [6])]
 
 
 def test_batch_longer_than_max_len_is_refused():

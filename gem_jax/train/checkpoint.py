@@ -200,6 +200,13 @@ class Checkpointer:
         state=ocp.args.PyTreeSave(arrays), extra=ocp.args.JsonSave(extra), meta=ocp.args.JsonSave(meta),
         integrity=ocp.args.PyTreeSave(integrity)))
 
+  def drop_after(self, step: int) -> list[int]:
+    """Deletes every checkpoint newer than `step`; returns their steps, oldest first."""
+    newer = [s for s in self.all_steps() if s > step]
+    for s in newer:
+      self._manager.delete(s)
+    return newer
+
   def wait(self) -> None:
     self._manager.wait_until_finished()
 

@@ -174,11 +174,19 @@ class Evaluate(Hook):
     self.best = {"score": None, "step": None}
     self.bad, self.history, self.losses = 0, [], []
     self.best_dir = None
+    self.replayed = []   # best-parameter steps newer than the restored checkpoint, deleted by restore
     self.train_s = 0.0
 
   def restore(self, t, resume: bool) -> None:
     if self.select:
       self.best_dir = Checkpointer(os.path.join(t.out_dir, "best"), keep=1, save_every=1, async_save=False)
+      # A run stopped between a selecting evaluation and its next checkpoint left parameters of a step that
+      # this run takes again from the checkpoint, to the same bits: they go, and the replay saves them anew.
+      self.replayed = self.best_dir.drop_after(t.step)
+
+  def begin(self, t) -> None:
+    if self.replayed:
+      t.log({"event": "best_replayed", "step": t.step, "dropped_steps": self.replayed})
 
   def drained(self, t, step: int, host: dict) -> None:
     self.losses.append(host["loss"])
