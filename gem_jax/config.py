@@ -43,6 +43,11 @@ class TrainConfig:
   b1: float = 0.9
   b2: float = 0.999
   grad_clip_norm: float = 1.0     # global norm over the dense gradients; tables are not clipped
+  # Parameter averaging: > 0 keeps an exponential moving average of the dense parameters at this decay
+  # (warmed up as min(decay, (1 + t) / (10 + t)) at update t) in the optimizer state, and every evaluation,
+  # the kept parameters and the final evaluation read it in their place. Tables are not averaged: an average
+  # of a table would be written in full at every step, where the sparse engine writes the rows a batch read.
+  ema_decay: float = 0.0
   # Embedding tables (gem_jax/run/table_optim.py, gem_jax/run/table_update.py). Row-wise Adam uses b1 / b2
   # above and adagrad_eps.
   embedding_optimizer: str = "rowwise_adagrad"
@@ -107,6 +112,8 @@ class TrainConfig:
     for name in ("b1", "b2"):
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+    if not 0.0 <= self.ema_decay < 1.0:
+      raise ValueError(f"TrainConfig.ema_decay must be in [0, 1) (0: no average), got {self.ema_decay}")
     if self.embedding_optimizer not in ("rowwise_adagrad", "sgd", "rowwise_adam"):
       raise ValueError(f"TrainConfig.embedding_optimizer must be rowwise_adagrad, sgd or rowwise_adam, got "
                        f"{self.embedding_optimizer!r}")

@@ -268,3 +268,47 @@ def test_the_clip_and_the_guard_norm_are_optax_s_to_the_bit(platform):
   # No clipping (an infinite norm, the next-item presets): the updates pass through, no pass over them.
   jaxpr = jax.make_jaxpr(lambda t: optim.clip_by_global_norm(float("inf")).update(t, optax.EmptyState()))(tree)
   assert not jaxpr.eqns, jaxpr
+
+
+# ---- parameter averaging (train.ema_decay) -------------------------------------------------------------
+def test_the_average_follows_the_recurrence_over_the_dense_parameters_and_leaves_tables_alone():
+  """Five updates through the whole optimizer: every dense parameter's average is the hand recurrence with the
+  warmed-up decay, over the parameters the updates led to; tables keep their own values (no average)."""
+  decay = 0.9
+  params = _params()
+  tx = optim.make_optimizer(dataclasses.replace(CFG, ema_decay=decay), params, Table)
+  pure = nnx.to_pure_dict(params)
+  state = tx.init(pure)
+  assert optim.Optimizer.averaged(pure, tx.init(pure))["table"] is pure["table"]
+  update = jax.jit(tx.update)
+  want = jax.tree.map(lambda p: np.asarray(p, np.float64), pure)
+  for t in range(5):
+    grads = jax.tree.map(lambda p: jnp.cos(p * (t + 1.0)) - 0.3 * t, pure)
+    updates, state = update(grads, state, pure)
+    pure = optax.apply_updates(pure, updates)
+    rate = min(decay, (1 + t) / (10 + t))
+    want = jax.tree.map(lambda w, p: rate * w + (1 - rate) * np.asarray(p, np.float64), want, pure)
+  got = optim.Optimizer.averaged(pure, state)
+  for path in (("proj", "kernel"), ("proj", "bias"), ("blocks", 0, "kernel")):
+    g, w, p = got, want, pure
+    for k in path:
+      g, w, p = g[k], w[k], p[k]
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(g, p)   # the average lags the parameters it follows
+  np.testing.assert_array_equal(got["table"], pure["table"])
+  no_average = optim.make_optimizer(CFG, params, Table)
+  assert optim.Optimizer.averaged(pure, no_average.init(pure)) is pure
+
+
+def test_the_average_is_float32_and_given_back_in_the_parameters_dtype():
+  decay = 0.5
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), nnx.to_pure_dict(_params()))
+  tx = optim.track_average(decay)
+  state = tx.init(params)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.average))
+  updates = jax.tree.map(lambda p: jnp.full_like(p, 2.0 ** -6), params)
+  _, state = tx.update(updates, state, params)
+  got = optim.Optimizer.averaged(params, (state,))
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))
+  with pytest.raises(ValueError, match="needs the parameters"):
+    tx.update(updates, state)

@@ -430,6 +430,31 @@ def test_step_bench_times_variants_of_one_preset_on_the_same_batches(tmp_path):
   assert "chunk16" in seqrec_step.table(result)
 
 
+def test_with_parameter_averaging_evaluations_and_the_kept_parameters_are_the_average(tmp_path):
+  """train.ema_decay: best/ keeps the average of the train state it was taken from, not its parameters, and
+  the final evaluation reads it, as does an evaluation of the training checkpoint."""
+  from gem_jax.run.optim import Optimizer
+  from gem_jax.train.checkpoint import Checkpointer
+  cfg = apply_overrides(configs.seqrec("ml-100k", quick=True), [
+      f"data.data_dir={toy_u_data(tmp_path)}", "data.batch_size=8", "data.token_multiple=64",
+      "train.epochs=2", "train.eval_every_epochs=2", "train.checkpoint_every=6", "train.ema_decay=0.5"])
+  out = tmp_path / "run"
+  summary = jobs.train_config(cfg, str(out), progress=False, report=False)
+  assert summary["selected"]["step"] == summary["steps"] == 6
+  run = build(cfg)
+  with Checkpointer(str(out / "checkpoints"), keep=3, save_every=6) as ckpt:
+    _, state, _ = ckpt.restore(6, abstract_state=run.restore_target())
+  with Checkpointer(str(out / "best"), keep=1, save_every=1) as ckpt:
+    _, kept, _ = ckpt.restore(6, abstract_state=run.restore_target().params)
+  average = Optimizer.averaged(state.params, state.opt_state)
+  leaves = lambda tree: jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(tree))
+  for (path, k), (_, a), (_, p) in zip(leaves(kept), leaves(average), leaves(state.params)):
+    np.testing.assert_array_equal(k, a, err_msg=jax.tree_util.keystr(path))
+    assert not np.array_equal(a, p), jax.tree_util.keystr(path)   # every parameter here is dense: averaged
+  again = jobs.evaluate_checkpoint(cfg, str(out))   # a training checkpoint's evaluation reads the average too
+  assert again["evaluation"]["test"] == summary["test"]
+
+
 @pytest.mark.slow
 def test_interrupted_next_item_run_resumes_to_the_same_metrics(tmp_path):
   """Killed after a selecting evaluation and before its next checkpoint, then resumed, a run ends on exactly

@@ -156,6 +156,11 @@ class Run:
     """`params` with host tables whole (a view of their stores, for an evaluation now); else `params`."""
     return params if self.tables is None else self.tables.whole_params(params)
 
+  def eval_params(self, state):
+    """The parameters an evaluation of `state` reads: the dense parameters' moving average where the
+    optimizer keeps one (train.ema_decay), with host tables whole (whole_params)."""
+    return self.whole_params(self.optimizer.averaged(state.params, state.opt_state))
+
   def restore_target(self):
     """The checkpoint restore target: abstract_state(), with host tables whole (checkpoints hold them so)."""
     target = self.abstract_state()

@@ -171,6 +171,38 @@ def scale_by_schedule_in_state(numbers: dict[str, float]) -> optax.GradientTrans
   return optax.GradientTransformation(init, update)
 
 
+class AverageState(NamedTuple):
+  """track_average's state: updates seen, and the float32 moving average of the parameters they led to."""
+  count: Any
+  average: Any
+
+
+def track_average(decay: float) -> optax.GradientTransformation:
+  """Passes the updates through and keeps an exponential moving average of the parameters they lead to
+  (params + updates, as optax.apply_updates forms them), in float32 whatever the parameters' dtype. The decay
+  at update t is min(decay, (1 + t) / (10 + t)): the average follows the parameters closely at first instead
+  of remembering the initial values for 1 / (1 - decay) steps. It must be the chain's last link, where the
+  updates are final."""
+
+  def init(params):
+    return AverageState(jnp.zeros([], jnp.int32), jax.tree_util.tree_map(lambda p: jnp.asarray(p, jnp.float32), params))
+
+  def update(updates, state, params=None):
+    if params is None:
+      raise ValueError("track_average needs the parameters: call update(updates, state, params)")
+    count = state.count.astype(jnp.float32)
+    rate = jnp.minimum(jnp.float32(decay), (1.0 + count) / (10.0 + count))
+
+    def step(average, p, u):
+      new = (jnp.asarray(p) + u).astype(jnp.asarray(p).dtype).astype(jnp.float32)
+      return rate * average + (1.0 - rate) * new
+
+    average = jax.tree_util.tree_map(step, state.average, params, updates)
+    return updates, AverageState(optax.safe_int32_increment(state.count), average)
+
+  return optax.GradientTransformation(init, update)
+
+
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
   """The run's optimizer: an optax transformation over the whole parameter tree (`init`, `update`: tables
@@ -196,6 +228,23 @@ class Optimizer:
   @staticmethod
   def table_state(state) -> table_optim.TableState:
     return state.inner_states[TABLE].inner_state
+
+  @staticmethod
+  def averaged(params, state):
+    """`params` with the moving average of each dense parameter in its place, in the parameter's dtype
+    (track_average, train.ema_decay); `params` itself when the optimizer keeps no average. Tables are
+    never averaged."""
+    found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, AverageState))
+             if isinstance(x, AverageState)]
+    if not found:
+      return params
+    if len(found) > 1:
+      raise ValueError(f"optimizer state holds {len(found)} parameter averages; expected one")
+
+    def pick(average, p):
+      return p if isinstance(average, optax.MaskedNode) else average.astype(jnp.asarray(p).dtype)
+
+    return jax.tree_util.tree_map(pick, found[0].average, params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
   def with_schedule(self, state):
     """`state` with this optimizer's schedule numbers (a restored state carries the checkpoint's)."""
@@ -235,7 +284,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 def make_optimizer(cfg: TrainConfig, params, table_type: type | None = None,
                    total_steps: int | None = None) -> Optimizer:
   """Tables -> their row rule (train.embedding_optimizer, default row-wise Adagrad); everything else ->
-  global-norm clip + AdamW (decay on >= 2-D kernels). Clipping sees the dense gradients only.
+  global-norm clip + AdamW (decay on >= 2-D kernels). Clipping sees the dense gradients only. With
+  train.ema_decay > 0 the dense chain ends in track_average (Optimizer.averaged reads it).
 
   `params`: the typed parameter tree (nnx.State of nnx.Variables) the optimizer is built for. The result
   accepts that tree or its pure dict; a parameter it was not built for raises a KeyError.
@@ -248,6 +298,7 @@ def make_optimizer(cfg: TrainConfig, params, table_type: type | None = None,
       optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=1e-8),
       optax.add_decayed_weights(cfg.weight_decay, mask=_lookup(known, lambda label, ndim: label == DENSE and ndim >= 2)),
       scale_by_schedule_in_state(schedule_numbers(cfg, total_steps)),
+      *([track_average(cfg.ema_decay)] if cfg.ema_decay > 0 else []),
   )
   rule = table_optim.make_rule(cfg)
   whole = optax.multi_transform({TABLE: rule.transformation(), DENSE: dense}, _lookup(known, lambda label, ndim: label))

@@ -69,6 +69,15 @@ class Hook:
 _copy = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.copy, tree))
 
 
+def _kept(t):
+  """A copy of the parameters an evaluation of the train state reads (Run.eval_params, the dense average
+  with train.ema_decay), with host tables whole: what best/ keeps. A copy, since the next step donates the
+  state."""
+  if t.run.tables is None:
+    return _copy(t.run.optimizer.averaged(t.state.params, t.state.opt_state))
+  return t.run.optimizer.averaged(t.run.whole(t.state).params, _copy(t.state.opt_state))
+
+
 class Checkpoint(Hook):
   key = "checkpoint"
 
@@ -207,7 +216,7 @@ class Evaluate(Hook):
       return
     t.mark_busy(t.step)
     t.drain()  # the mean train loss since the last evaluation includes this step
-    evaluation = trainer_lib.evaluate(t.run, t.run.whole_params(t.state.params), split)
+    evaluation = trainer_lib.evaluate(t.run, t.run.eval_params(t.state), split)
     record = {"eval_step": t.step, **_loggable(evaluation, split)}
     if self.steps_per_epoch:
       record["epoch"] = t.step // self.steps_per_epoch
@@ -231,8 +240,7 @@ class Evaluate(Hook):
     if self.best["score"] is None or score > self.best["score"]:
       self.best = {"score": score, "step": t.step}
       self.bad = 0
-      self.best_dir.save(t.step, _copy(t.state.params) if t.run.tables is None else t.run.whole(t.state).params,
-                         force=True)
+      self.best_dir.save(t.step, _kept(t), force=True)
     else:
       self.bad += 1
     if self.patience and self.bad >= self.patience:

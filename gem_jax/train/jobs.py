@@ -63,7 +63,8 @@ def evaluate_checkpoint(cfg, out_dir: str, step: int | None = None, devices=None
     # host tables whole: evaluate reads them so; best/ holds the parameters alone (gem_jax/train/hooks.py)
     step, state, _ = ckpt.restore(step, abstract_state=target if folder == "checkpoints" else target.params)
     fallbacks = [fb.as_dict() for fb in ckpt.fallbacks]
-  params = state.params if folder == "checkpoints" else state
+  # a training checkpoint's evaluation reads what the run's did: the dense average with train.ema_decay
+  params = run.optimizer.averaged(state.params, state.opt_state) if folder == "checkpoints" else state
   evaluation = {split: trainer.evaluate(run, params, split) for split in run.source.eval_splits}
   return {"step": step, "mesh": run.mesh_spec.name, "devices": run.mesh_spec.num_devices,
           "evaluation": trainer.jsonable_summary(evaluation),

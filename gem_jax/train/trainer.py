@@ -243,7 +243,7 @@ def train(run, out_dir: str, hooks: list, *, resume: bool = False, stop_after: i
             **_parts(t, "partial")}
 
   # ---- final evaluation and summary ----------------------------------------------------------------------
-  params = t.params_for_eval if t.params_for_eval is not None else run.whole_params(t.state.params)
+  params = t.params_for_eval if t.params_for_eval is not None else run.eval_params(t.state)
   evaluation = {split: evaluate(run, params, split) for split in run.source.eval_splits}
   task_summary = run.task.summarize(evaluation, t.counters)
   for h in t.hooks:
