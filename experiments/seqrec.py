@@ -10,6 +10,7 @@ item, history excluded) under the leave-one-out protocol (gem_jax/run/next_item.
   python experiments/seqrec.py --dataset beauty --tower sasrec-ss --out runs/seqrec-beauty-sasrec
   python experiments/seqrec.py --dataset beauty --seeds 3 --out runs/seqrec-beauty --results results/seqrec/beauty.json
   python experiments/seqrec.py --dataset ml-1m --train-through-valid 45 --out runs/seqrec-ml-1m-hstu-protocol
+  python experiments/seqrec.py --dataset ml-1m --evaluate runs/seqrec-ml-1m --average 4500,4750,4800
 
 Datasets (--data-dir, default ../shared/data or $GEM_JAX_DATA_DIR; the files are never copied here):
   ml-1m    ml-1m/ratings.dat (GroupLens) if present, else ml-1m/ml-1m_sequences_orig_ids.txt
@@ -47,6 +48,9 @@ def main(argv=None) -> int:
   p.add_argument("--evaluate", default=None, metavar="RUN_DIR",
                  help="no training: evaluate the kept (best/) parameters of a finished run under this command's "
                       "config, e.g. --set data.exclude_history=false, and print the metrics as JSON")
+  p.add_argument("--average", default=None, metavar="STEPS",
+                 help="with --evaluate: evaluate the mean of the parameters of these training checkpoints (e.g. "
+                      "4500,4750,4800; checkpoint averaging after the fact) next to each one's own metrics")
   p.add_argument("--train-through-valid", type=int, default=0, metavar="EPOCHS",
                  help="HSTU's protocol: train on the validation item too and test the parameters after EPOCHS "
                       "epochs (data.train_through_valid; no periodic evaluation, no model selection)")
@@ -55,6 +59,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.results and not args.seeds:
     p.error("--results needs --seeds")
+  if args.average and not args.evaluate:
+    p.error("--average needs --evaluate RUN_DIR")
 
   from gem_jax import configs
   from gem_jax.config import apply_overrides
@@ -66,6 +72,13 @@ def main(argv=None) -> int:
     sets += ["data.train_through_valid=true", f"train.epochs={args.train_through_valid}", "train.select_metric=",
              "train.patience=0", "train.eval_every_epochs=0"]
   cfg = apply_overrides(configs.seqrec(args.dataset, quick=args.quick, tower=args.tower), sets)
+  if args.evaluate and args.average:
+    try:
+      steps = [int(s) for s in args.average.split(",")]
+    except ValueError:
+      p.error(f"--average takes checkpoint steps separated by commas, got {args.average!r}")
+    print(json.dumps({"run": args.evaluate, **jobs.evaluate_average(cfg, args.evaluate, steps)}, indent=1))
+    return 0
   if args.evaluate:
     # A run trained through validation selected nothing: its parameters are the last checkpoint's.
     result = jobs.evaluate_checkpoint(cfg, args.evaluate,

@@ -437,13 +437,14 @@ def test_with_parameter_averaging_evaluations_and_the_kept_parameters_are_the_av
   from gem_jax.train.checkpoint import Checkpointer
   cfg = apply_overrides(configs.seqrec("ml-100k", quick=True), [
       f"data.data_dir={toy_u_data(tmp_path)}", "data.batch_size=8", "data.token_multiple=64",
-      "train.epochs=2", "train.eval_every_epochs=2", "train.checkpoint_every=6", "train.ema_decay=0.5"])
+      "train.epochs=2", "train.eval_every_epochs=2", "train.checkpoint_every=3", "train.ema_decay=0.5"])
   out = tmp_path / "run"
   summary = jobs.train_config(cfg, str(out), progress=False, report=False)
   assert summary["selected"]["step"] == summary["steps"] == 6
   run = build(cfg)
-  with Checkpointer(str(out / "checkpoints"), keep=3, save_every=6) as ckpt:
+  with Checkpointer(str(out / "checkpoints"), keep=3, save_every=3) as ckpt:
     _, state, _ = ckpt.restore(6, abstract_state=run.restore_target())
+    _, state3, _ = ckpt.restore(3, abstract_state=run.restore_target())
   with Checkpointer(str(out / "best"), keep=1, save_every=1) as ckpt:
     _, kept, _ = ckpt.restore(6, abstract_state=run.restore_target().params)
   average = Optimizer.averaged(state.params, state.opt_state)
@@ -453,6 +454,16 @@ def test_with_parameter_averaging_evaluations_and_the_kept_parameters_are_the_av
     assert not np.array_equal(a, p), jax.tree_util.keystr(path)   # every parameter here is dense: averaged
   again = jobs.evaluate_checkpoint(cfg, str(out))   # a training checkpoint's evaluation reads the average too
   assert again["evaluation"]["test"] == summary["test"]
+  # Checkpoint averaging after the fact: the mean of the two checkpoints' averages, and each one's own metrics.
+  both = jobs.evaluate_average(cfg, str(out), [3, 6])
+  assert both["each"][6]["test"] == summary["test"]
+  mean = jax.tree.map(lambda a, b: ((np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2).astype(np.float32),
+                      Optimizer.averaged(state3.params, state3.opt_state), average)
+  from gem_jax.train import trainer
+  want = trainer.jsonable_summary(trainer.evaluate(run, mean, "test"))
+  assert both["evaluation"]["test"] == pytest.approx(want, abs=1e-6) and both["evaluation"]["test"] != summary["test"]
+  with pytest.raises(ValueError, match="at least two"):
+    jobs.evaluate_average(cfg, str(out), [6, 6])
 
 
 @pytest.mark.slow

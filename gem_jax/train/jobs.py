@@ -4,6 +4,7 @@
                                     experiments/seqrec.py run
   evaluate_checkpoint(cfg, out_dir) the newest usable checkpoint of a run, restored (resharded) onto cfg's
                                     mesh and evaluated
+  evaluate_average(cfg, out_dir, steps)  the mean of several training checkpoints' parameters, evaluated
   standard_hooks(run, ...)          the hooks of a training job, by the config's cadences
 
 The run folder: metrics.jsonl, checkpoints/ (best/ with model selection), summary.json, and with the report
@@ -70,6 +71,41 @@ def evaluate_checkpoint(cfg, out_dir: str, step: int | None = None, devices=None
           "evaluation": trainer.jsonable_summary(evaluation),
           "state_fingerprint": hashlib.sha256(fingerprint(state).tobytes()).hexdigest()[:16],
           "checkpoint_fallbacks": fallbacks}
+
+
+def evaluate_average(cfg, out_dir: str, steps: list[int], devices=None) -> dict:
+  """Evaluates the element-wise mean of the parameters of training checkpoints `steps` of the run in out_dir
+  (each checkpoint's evaluation parameters: its dense average with train.ema_decay), computed in float32 and
+  cast back: checkpoint averaging after the fact, on cfg's mesh.
+
+  -> {"steps", "evaluation": {split: metrics}, "each": {step: {split: metrics}}}: the mean's metrics and
+  every checkpoint's own, side by side.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  if len(set(steps)) < 2:
+    raise ValueError(f"evaluate_average needs at least two different checkpoint steps, got {steps}")
+  run = build(cfg, devices=devices)
+  target = run.restore_target()
+  each, trees = {}, []
+  with Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.train.keep_checkpoints,
+                    save_every=cfg.train.checkpoint_every) as ckpt:
+    for step in steps:
+      _, state, _ = ckpt.restore(step, abstract_state=target, fallback=False)
+      params = run.optimizer.averaged(state.params, state.opt_state)
+      each[step] = trainer.jsonable_summary({split: trainer.evaluate(run, params, split)
+                                             for split in run.source.eval_splits})
+      trees.append(params)
+
+  def mean(*xs):
+    if not jnp.issubdtype(xs[0].dtype, jnp.floating):
+      return xs[0]
+    return (sum(jnp.asarray(x, jnp.float32) for x in xs) / len(xs)).astype(xs[0].dtype)
+
+  averaged = jax.tree_util.tree_map(mean, *trees)
+  evaluation = {split: trainer.evaluate(run, averaged, split) for split in run.source.eval_splits}
+  return {"steps": list(steps), "evaluation": trainer.jsonable_summary(evaluation), "each": each}
 
 
 def train_next_item(cfg, out_dir: str, *, resume: bool = False, report: bool = True, log=print) -> dict:
