@@ -75,7 +75,10 @@ def _kept(t):
   state."""
   if t.run.tables is None:
     return _copy(t.run.optimizer.averaged(t.state.params, t.state.opt_state))
-  return t.run.optimizer.averaged(t.run.whole(t.state).params, _copy(t.state.opt_state))
+  whole = t.run.whole(t.state).params   # host tables copied out of their stores
+  if t.run.optimizer.averaged(whole, t.state.opt_state) is whole:
+    return whole   # no average: nothing else to copy
+  return t.run.optimizer.averaged(whole, _copy(t.state.opt_state))
 
 
 class Checkpoint(Hook):
