@@ -13,6 +13,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from gem_jax.data.spec import ads_feature_spec
 from gem_jax.run import host_tables
@@ -206,6 +207,30 @@ def test_a_checkpoint_from_one_cache_size_resumes_with_another_and_evaluations_m
       _, state, _ = ckpt.restore(8, abstract_state=target)
     prints.append(fingerprint(state))
   assert np.array_equal(prints[0], prints[1])
+
+
+def test_with_parameter_averaging_best_keeps_the_dense_average_and_the_whole_host_tables(tmp_path):
+  """train.ema_decay with host tables: a selecting evaluation keeps (best/) the average of every dense
+  parameter and each host table whole, as written back from its cache; the last checkpoint's state is the
+  same train state, so the kept tree is its `averaged` parameters, leaf for leaf."""
+  from gem_jax.run.optim import Optimizer
+  sets = ["train.steps=4", "train.checkpoint_every=4", "train.eval_every=4", "train.eval_examples=128",
+          "train.warmup_steps=1", "train.ema_decay=0.5", "train.select_metric=click/ne"]
+  summary = jobs.train_config(_config(*sets, HOST, "train.host_cache_fraction=0.01"), str(tmp_path),
+                              progress=False, report=False)
+  assert summary["selected"]["step"] == 4
+  target = build(_config(*sets), abstract=True).restore_target()   # tables whole, as both folders hold them
+  with Checkpointer(str(tmp_path / "checkpoints"), keep=1, save_every=4) as ckpt:
+    _, state, _ = ckpt.restore(4, abstract_state=target)
+  with Checkpointer(str(tmp_path / "best"), keep=1, save_every=1) as ckpt:
+    _, kept, _ = ckpt.restore(4, abstract_state=target.params)
+  want = Optimizer.averaged(state.params, state.opt_state)
+  flat = lambda tree: jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(tree))
+  averaged = 0
+  for (path, k), (_, w), (_, p) in zip(flat(kept), flat(want), flat(state.params), strict=True):
+    np.testing.assert_array_equal(k, w, err_msg=jax.tree_util.keystr(path))
+    averaged += not np.array_equal(w, p)
+  assert averaged > 10   # the dense leaves are the average; the tables are the state's own rows
 
 
 @pytest.mark.slow

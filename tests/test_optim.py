@@ -298,6 +298,7 @@ def test_the_average_follows_the_recurrence_over_the_dense_parameters_and_leaves
   np.testing.assert_array_equal(got["table"], pure["table"])
   no_average = optim.make_optimizer(CFG, params, Table)
   assert optim.Optimizer.averaged(pure, no_average.init(pure)) is pure
+  assert optim.Optimizer.has_average(state) and not optim.Optimizer.has_average(no_average.init(pure))
 
 
 def test_the_average_is_float32_and_given_back_in_the_parameters_dtype():

@@ -230,16 +230,26 @@ class Optimizer:
     return state.inner_states[TABLE].inner_state
 
   @staticmethod
+  def _averages(state) -> list:
+    found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, AverageState))
+             if isinstance(x, AverageState)]
+    if len(found) > 1:
+      raise ValueError(f"optimizer state holds {len(found)} parameter averages; expected one")
+    return found
+
+  @staticmethod
+  def has_average(state) -> bool:
+    """Whether the optimizer state keeps a moving average of the dense parameters (train.ema_decay)."""
+    return bool(Optimizer._averages(state))
+
+  @staticmethod
   def averaged(params, state):
     """`params` with the moving average of each dense parameter in its place, in the parameter's dtype
     (track_average, train.ema_decay); `params` itself when the optimizer keeps no average. Tables are
     never averaged."""
-    found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, AverageState))
-             if isinstance(x, AverageState)]
+    found = Optimizer._averages(state)
     if not found:
       return params
-    if len(found) > 1:
-      raise ValueError(f"optimizer state holds {len(found)} parameter averages; expected one")
 
     def pick(average, p):
       return p if isinstance(average, optax.MaskedNode) else average.astype(jnp.asarray(p).dtype)

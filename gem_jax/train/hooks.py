@@ -76,8 +76,8 @@ def _kept(t):
   if t.run.tables is None:
     return _copy(t.run.optimizer.averaged(t.state.params, t.state.opt_state))
   whole = t.run.whole(t.state).params   # host tables copied out of their stores
-  if t.run.optimizer.averaged(whole, t.state.opt_state) is whole:
-    return whole   # no average: nothing else to copy
+  if not t.run.optimizer.has_average(t.state.opt_state):
+    return whole   # nothing else to copy
   return t.run.optimizer.averaged(whole, _copy(t.state.opt_state))
 
 
