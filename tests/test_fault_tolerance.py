@@ -167,6 +167,20 @@ def test_a_drill_reference_is_a_group_or_one_process():
     fault_drill.Drill(reference="single")
 
 
+def test_every_drill_process_compiles_for_one_intra_op_thread_count(monkeypatch, tmp_path):
+  """XLA:CPU plans a loop's parallel split for max(cores, the process's devices) threads: a one-process
+  reference with both of cpu_2's devices and group processes with one each must be told one count, or on a
+  single core they compile differently split loops (and train 1 ulp apart)."""
+  one = fault_drill.Drill(processes=2, mesh="meshes/cpu_2.yaml", reference="one")
+  monkeypatch.delenv("PJRT_NPROC", raising=False)
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+  assert fault_drill._env(one, str(tmp_path))["PJRT_NPROC"] == "2"   # the reference's two devices
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+  assert fault_drill._env(one, str(tmp_path))["PJRT_NPROC"] == "6"   # the cores
+  monkeypatch.setenv("PJRT_NPROC", "1")
+  assert fault_drill._env(one, str(tmp_path))["PJRT_NPROC"] == "2"
+
+
 @pytest.mark.slow
 def test_fault_drill_resumes_bit_for_bit(tmp_path):
   """The CI size of `experiments/fault_drill.py --kills 5`: three kills, one of each kind."""

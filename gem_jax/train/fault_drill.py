@@ -135,12 +135,25 @@ def _worker_cmd(args: Drill, run_dir: str, process_id: int, coordinator: str | N
           str(process_id), coordinator or ""]
 
 
+def _intra_op_threads(args: Drill) -> int:
+  """The intra-op thread count every trainer process of the drill compiles for. XLA:CPU splits a large
+  loop fusion into as many parallel tasks as its client's thread pool has threads, and that pool has
+  max(schedulable cores, the process's CPU devices) threads (PJRT_NPROC, if set, stands for the cores). A
+  split loop can round an element differently, so a one-process reference holding two devices on one core
+  (two threads) and group processes holding one each (one thread) trained 1 ulp apart (2026-12-06, pinned
+  to one core: Adam's nu, one element of 128). One count for all of them keeps the programs the same."""
+  cores = os.environ.get("PJRT_NPROC")
+  if not cores:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+  return max(int(cores), args.mesh_devices())
+
+
 def _env(args: Drill, cache_dir: str) -> dict:
-  """Each process's share of the mesh's CPU devices, and a persistent compilation cache shared by every
-  trainer process of the drill (as restarts on a cluster share one): the reference run compiles, the
-  restarts load the same executables."""
+  """Each process's share of the mesh's CPU devices, one intra-op thread count for all of them
+  (_intra_op_threads), and a persistent compilation cache shared by every trainer process of the drill (as
+  restarts on a cluster share one): the reference run compiles, the restarts load the same executables."""
   flags = distributed.cpu_device_flags(os.environ.get("XLA_FLAGS"), args.devices_per_process())
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags,
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PJRT_NPROC=str(_intra_op_threads(args)),
              JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
