@@ -466,6 +466,16 @@ def test_with_parameter_averaging_evaluations_and_the_kept_parameters_are_the_av
     jobs.evaluate_average(cfg, str(out), [6, 6])
 
 
+def test_a_checkpoint_mean_averages_float_leaves_in_float32_and_refuses_integer_leaves_that_differ():
+  a = {"w": np.array([1.0, 2.0], np.float16), "count": np.array([3], np.int32)}
+  b = {"w": np.array([2.0, 4.0], np.float16), "count": np.array([3], np.int32)}
+  got = jobs.mean_params([a, b], [4, 8])
+  assert got["w"].dtype == np.float16 and np.array_equal(got["w"], np.array([1.5, 3.0], np.float16))
+  assert np.array_equal(got["count"], a["count"])
+  with pytest.raises(ValueError, match=r"\['count'\] \(int32\) differs between checkpoints 4 and 12"):
+    jobs.mean_params([a, b, {**b, "count": np.array([4], np.int32)}], [4, 8, 12])
+
+
 @pytest.mark.slow
 def test_interrupted_next_item_run_resumes_to_the_same_metrics(tmp_path):
   """Killed after a selecting evaluation and before its next checkpoint, then resumed, a run ends on exactly

@@ -81,9 +81,6 @@ def evaluate_average(cfg, out_dir: str, steps: list[int], devices=None) -> dict:
   -> {"steps", "evaluation": {split: metrics}, "each": {step: {split: metrics}}}: the mean's metrics and
   every checkpoint's own, side by side.
   """
-  import jax
-  import jax.numpy as jnp
-
   if len(set(steps)) < 2:
     raise ValueError(f"evaluate_average needs at least two different checkpoint steps, got {steps}")
   run = build(cfg, devices=devices)
@@ -98,14 +95,28 @@ def evaluate_average(cfg, out_dir: str, steps: list[int], devices=None) -> dict:
                                              for split in run.source.eval_splits})
       trees.append(params)
 
-  def mean(*xs):
-    if not jnp.issubdtype(xs[0].dtype, jnp.floating):
-      return xs[0]
-    return (sum(jnp.asarray(x, jnp.float32) for x in xs) / len(xs)).astype(xs[0].dtype)
-
-  averaged = jax.tree_util.tree_map(mean, *trees)
+  averaged = mean_params(trees, steps)
   evaluation = {split: trainer.evaluate(run, averaged, split) for split in run.source.eval_splits}
   return {"steps": list(steps), "evaluation": trainer.jsonable_summary(evaluation), "each": each}
+
+
+def mean_params(trees: list, steps: list[int]):
+  """The element-wise mean of parameter trees (one per checkpoint step), summed in float32 and cast back to
+  each leaf's dtype. A leaf that is not floating point has no mean: it must be equal in every tree."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  def mean(path, *xs):
+    if jnp.issubdtype(xs[0].dtype, jnp.floating):
+      return (sum(jnp.asarray(x, jnp.float32) for x in xs) / len(xs)).astype(xs[0].dtype)
+    for step, x in zip(steps[1:], xs[1:]):
+      if not np.array_equal(np.asarray(x), np.asarray(xs[0])):
+        raise ValueError(f"parameter {jax.tree_util.keystr(path)} ({xs[0].dtype}) differs between checkpoints "
+                         f"{steps[0]} and {step}: a leaf that is not floating point cannot be averaged")
+    return xs[0]
+
+  return jax.tree_util.tree_map_with_path(mean, *trees)
 
 
 def train_next_item(cfg, out_dir: str, *, resume: bool = False, report: bool = True, log=print) -> dict:
