@@ -349,6 +349,15 @@ def test_seeds_train_apart_and_a_finished_seed_is_read_not_retrained(tmp_path):
   assert again["test"] == first["test"] and lines[:2] == [f"seed {s}: read {out}/seed-{s}/results.json" for s in (0, 1)]
   with pytest.raises(ValueError, match=r"seed-0/results.json was trained with another config .*'train.epochs': 2"):
     jobs.train_next_item_seeds(apply_overrides(cfg, ["train.epochs=3"]), str(out), [0], report=False)
+  # A results.json written before a field existed counts with that field's default: a run from before
+  # train.ema_decay is a seed of a config without averaging, not of one that averages.
+  stored = json.loads((out / "seed-0" / "results.json").read_text())
+  del stored["config"]["train"]["ema_decay"]
+  (out / "seed-0" / "results.json").write_text(json.dumps(stored))
+  assert jobs.train_next_item_seeds(cfg, str(out), [0], report=False, log=lambda s: None)["test"]["seeds"] == \
+      first["test"]["seeds"][:1]
+  with pytest.raises(ValueError, match=r"another config .*'train.ema_decay': 0.0"):
+    jobs.train_next_item_seeds(apply_overrides(cfg, ["train.ema_decay=0.5"]), str(out), [0], report=False)
   # The kept parameters (best/) evaluate to the run's own numbers; without history exclusion, to others.
   seeded = apply_overrides(cfg, ["train.seed=1", "data.seed=1"])
   kept = jobs.evaluate_checkpoint(seeded, str(out / "seed-1"), folder="best")

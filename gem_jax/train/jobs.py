@@ -178,7 +178,7 @@ def train_next_item_seeds(cfg, out_dir: str, seeds: list[int], *, resume: bool =
       with open(done) as f:
         results = json.load(f)
       wanted = json.loads(json.dumps(dataclasses.asdict(seeded), default=str))
-      differ = seqrec_results.changes(results["config"], wanted)
+      differ = seqrec_results.changes(results["config"], wanted, seqrec_results.field_defaults(seeded))
       if differ:
         raise ValueError(f"{done} was trained with another config than seed {seed} of this one: {differ}; "
                          "remove the folder or use another --out")

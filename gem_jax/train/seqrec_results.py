@@ -53,13 +53,37 @@ def _flat(tree, prefix=""):
 IGNORED = ("name", "data.data_dir", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints")
 
 
-def changes(config: dict, preset: dict) -> dict:
+def field_defaults(cfg) -> dict:
+  """"section.field": the dataclass default of every field of a config (dataclasses.asdict's JSON form; fields
+  without a default are left out): what a run written before a field existed ran with, by this project's rule
+  that a new field's default keeps the old behaviour."""
+  out = {}
+  for f in dataclasses.fields(cfg):
+    value = getattr(cfg, f.name)
+    if dataclasses.is_dataclass(value):
+      out.update({f"{f.name}.{k}": v for k, v in field_defaults(value).items()})
+    elif f.default is not dataclasses.MISSING:
+      out[f.name] = json.loads(json.dumps(f.default, default=str))
+    elif f.default_factory is not dataclasses.MISSING:
+      out[f.name] = json.loads(json.dumps(f.default_factory(), default=str))
+  return out
+
+
+def changes(config: dict, preset: dict, defaults: dict | None = None) -> dict:
   """The fields of a run's config (dataclasses.asdict form) that differ from its preset, as "section.field":
-  value; paths and logging cadences are left out."""
+  value; paths and logging cadences are left out. A field the run's config lacks (written before the field
+  existed) counts with its default (`defaults`, field_defaults of the preset): a run from before
+  train.ema_decay differs from a preset that averages. Without a default it counts as None."""
   flat, base = _flat(config), _flat(preset)
+  defaults = defaults or {}
   as_list = lambda v: list(v) if isinstance(v, tuple) else v
-  return {k: v for k, v in flat.items()
-          if k not in IGNORED and (k not in base or as_list(base[k]) != as_list(v))}
+  differ = {k: v for k, v in flat.items()
+            if k not in IGNORED and (k not in base or as_list(base[k]) != as_list(v))}
+  for k in base.keys() - flat.keys() - set(IGNORED):
+    old = defaults.get(k)
+    if as_list(old) != as_list(base[k]):
+      differ[k] = old
+  return differ
 
 
 def ablation_rows(run_dirs: list[str], metrics=SEED_METRICS) -> list[dict]:
@@ -75,14 +99,15 @@ def ablation_rows(run_dirs: list[str], metrics=SEED_METRICS) -> list[dict]:
     dataset = res["config"]["data"]["dataset"]
     towers = {configs.seqrec(dataset, tower=t).name: t for t in configs.TOWERS}
     tower = towers.get(res["config"]["name"], "hstu")
-    preset = json.loads(json.dumps(dataclasses.asdict(configs.seqrec(dataset, tower=tower)), default=str))
+    preset_cfg = configs.seqrec(dataset, tower=tower)
+    preset = json.loads(json.dumps(dataclasses.asdict(preset_cfg), default=str))
     per_epoch = res["steps"] / max(res["history"][-1].get("epoch", 1), 1) if res["history"] else None
     kept_epoch = round(res["best_step"] / per_epoch) if per_epoch and res["best_step"] else None
     epochs = res["history"][-1].get("epoch") if res["history"] else None
     if res.get("valid") is None:  # trained through validation: no evaluation before the fixed last epoch
       epochs = kept_epoch = res["config"]["train"]["epochs"]
     rows.append({"run": os.path.basename(os.path.normpath(run_dir)), "dataset": dataset, "tower": tower,
-                 "changes": changes(res["config"], preset),
+                 "changes": changes(res["config"], preset, field_defaults(preset_cfg)),
                  "valid": {m: res["valid"][m] for m in metrics} if res.get("valid") else None,
                  "test": {m: res["test"][m] for m in metrics},
                  "epochs": epochs, "kept_epoch": kept_epoch,
