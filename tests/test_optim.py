@@ -299,6 +299,9 @@ def test_the_average_follows_the_recurrence_over_the_dense_parameters_and_leaves
   no_average = optim.make_optimizer(CFG, params, Table)
   assert optim.Optimizer.averaged(pure, no_average.init(pure)) is pure
   assert optim.Optimizer.has_average(state) and not optim.Optimizer.has_average(no_average.init(pure))
+  assert optim.Optimizer.average_state(no_average.init(pure)) is None
+  alone = optim.Optimizer.averaged(pure, optim.Optimizer.average_state(state))   # the average's part suffices
+  assert jax.tree.all(jax.tree.map(np.array_equal, alone, got))
 
 
 def test_the_average_is_float32_and_given_back_in_the_parameters_dtype():

@@ -243,6 +243,13 @@ class Optimizer:
     return bool(Optimizer._averages(state))
 
   @staticmethod
+  def average_state(state):
+    """The part of the optimizer state that holds the moving average (an AverageState, which `averaged`
+    reads as well as the whole state), or None: what a copy of the averaged parameters needs to copy."""
+    found = Optimizer._averages(state)
+    return found[0] if found else None
+
+  @staticmethod
   def averaged(params, state):
     """`params` with the moving average of each dense parameter in its place, in the parameter's dtype
     (track_average, train.ema_decay); `params` itself when the optimizer keeps no average. Tables are

@@ -76,9 +76,10 @@ def _kept(t):
   if t.run.tables is None:
     return _copy(t.run.optimizer.averaged(t.state.params, t.state.opt_state))
   whole = t.run.whole(t.state).params   # host tables copied out of their stores
-  if not t.run.optimizer.has_average(t.state.opt_state):
+  average = t.run.optimizer.average_state(t.state.opt_state)
+  if average is None:
     return whole   # nothing else to copy
-  return t.run.optimizer.averaged(whole, _copy(t.state.opt_state))
+  return t.run.optimizer.averaged(whole, _copy(average))   # the average alone, not Adam's moments too
 
 
 class Checkpoint(Hook):
