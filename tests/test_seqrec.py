@@ -480,10 +480,11 @@ def test_a_checkpoint_mean_averages_float_leaves_in_float32_and_refuses_integer_
 def test_interrupted_next_item_run_resumes_to_the_same_metrics(tmp_path):
   """Killed after a selecting evaluation and before its next checkpoint, then resumed, a run ends on exactly
   the uninterrupted metrics: the source's epoch order, its negatives and the selection hook's best checkpoint
-  all resume, and the best parameters the killed run saved past its checkpoint are replayed, not refused."""
+  all resume, and the best parameters the killed run saved past its checkpoint are replayed, not refused.
+  With parameter averaging, which evaluations read: the average and its count resume with the optimizer."""
   cfg = apply_overrides(configs.seqrec("ml-100k", quick=True), [
       f"data.data_dir={toy_u_data(tmp_path)}", "data.batch_size=8", "data.token_multiple=64",
-      "train.epochs=6", "train.eval_every_epochs=2", "train.checkpoint_every=4"])
+      "train.epochs=6", "train.eval_every_epochs=2", "train.checkpoint_every=4", "train.ema_decay=0.5"])
   whole = jobs.train_config(cfg, str(tmp_path / "whole"), progress=False, report=False)
   cut = tmp_path / "cut"
   jobs.train_config(cfg, str(cut), progress=False, report=False, stop_after=7)
