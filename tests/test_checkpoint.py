@@ -105,6 +105,8 @@ def test_errors(tmp_path):
       ckpt.restore(5, abstract_state=abstract)
     with pytest.raises(ValueError, match="does not match abstract_state"):
       ckpt.restore(abstract_state=dict(abstract, missing=jax.ShapeDtypeStruct((2,), jnp.float32)))
+    with pytest.raises(ValueError, match=r"only in the target \[\"\['average'\]\"\]; .* train.ema_decay"):
+      ckpt.restore(abstract_state=dict(abstract, average=jax.ShapeDtypeStruct((2,), jnp.float32)))
     ckpt.save(2, {"rng": jax.random.key_data(jax.random.key(0))}, force=True)
     with pytest.raises(ValueError, match=r"does not match abstract_state at \['rng'\]: saved uint32\[2\], target "
                        r"wants key<fry>\[\]"):

@@ -334,8 +334,11 @@ def _check_leaves(where: str, saved: list, wanted: list) -> None:
   if saved_paths != wanted_paths:
     only_saved = sorted(set(saved_paths) - set(wanted_paths))
     only_wanted = sorted(set(wanted_paths) - set(saved_paths))
+    # A moving average of the parameters lives in the optimizer state only with train.ema_decay > 0.
+    hint = ("; the parameter average's leaves differ: was one of the two runs configured with train.ema_decay "
+            "and the other without?" if any("average" in p for p in only_saved + only_wanted) else "")
     raise ValueError(f"{where} does not match abstract_state: leaves only in the checkpoint {only_saved[:5]}, "
-                     f"only in the target {only_wanted[:5]}")
+                     f"only in the target {only_wanted[:5]}{hint}")
   for (path, shape, dtype), (_, want_shape, want_dtype) in zip(saved, wanted):
     if list(shape) != list(want_shape) or dtype != want_dtype:
       raise ValueError(f"{where} does not match abstract_state at {path}: saved {dtype}{list(shape)}, target "
