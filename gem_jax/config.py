@@ -44,10 +44,15 @@ class TrainConfig:
   b2: float = 0.999
   grad_clip_norm: float = 1.0     # global norm over the dense gradients; tables are not clipped
   # Parameter averaging: > 0 keeps an exponential moving average of the dense parameters at this decay
-  # (warmed up as min(decay, (1 + t) / (10 + t)) at update t) in the optimizer state, and every evaluation,
-  # the kept parameters and the final evaluation read it in their place. Tables are not averaged: an average
-  # of a table would be written in full at every step, where the sparse engine writes the rows a batch read.
+  # (warmed up as min(decay, (1 + t) / (ema_warmup + t)) at update t) in the optimizer state, and every
+  # evaluation, the kept parameters and the final evaluation read it in their place. Tables are not averaged:
+  # an average of a table would be written in full at every step, where the sparse engine writes the rows a
+  # batch read. While the warm-up rate is below the decay, the average spans about the last
+  # t / (ema_warmup - 1) updates (a ninth of the run so far at 10); the decay binds from
+  # t = (ema_warmup * decay - 1) / (1 - decay) on (4,491 updates for 0.998 at 10), and from there the span is
+  # about 1 / (1 - decay) updates.
   ema_decay: float = 0.0
+  ema_warmup: float = 10.0
   # Embedding tables (gem_jax/run/table_optim.py, gem_jax/run/table_update.py). Row-wise Adam uses b1 / b2
   # above and adagrad_eps.
   embedding_optimizer: str = "rowwise_adagrad"
@@ -114,6 +119,9 @@ class TrainConfig:
         raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
     if not 0.0 <= self.ema_decay < 1.0:
       raise ValueError(f"TrainConfig.ema_decay must be in [0, 1) (0: no average), got {self.ema_decay}")
+    if not self.ema_warmup > 1.0:
+      raise ValueError(f"TrainConfig.ema_warmup must be > 1 (the average's rate is min(ema_decay, (1 + t) / "
+                       f"(ema_warmup + t))), got {self.ema_warmup}")
     if self.embedding_optimizer not in ("rowwise_adagrad", "sgd", "rowwise_adam"):
       raise ValueError(f"TrainConfig.embedding_optimizer must be rowwise_adagrad, sgd or rowwise_adam, got "
                        f"{self.embedding_optimizer!r}")

@@ -165,6 +165,7 @@ def test_heads_need_not_divide_without_tensor_parallelism():
     (lambda: TrainConfig(weight_decay=NAN), r"TrainConfig\.weight_decay must be a finite number, got nan"),
     (lambda: TrainConfig(learning_rate=INF), r"TrainConfig\.learning_rate must be a finite number, got inf"),
     (lambda: TrainConfig(learning_rate=NAN), r"TrainConfig\.learning_rate must be a finite number"),
+    (lambda: TrainConfig(ema_warmup=1.0), r"TrainConfig\.ema_warmup must be > 1"),
     (lambda: TrainConfig(embedding_learning_rate=INF), r"TrainConfig\.embedding_learning_rate must be a finite"),
     (lambda: TrainConfig(adagrad_initial_accumulator=NAN), r"TrainConfig\.adagrad_initial_accumulator must be a"),
     (lambda: TrainConfig(adagrad_eps=INF), r"TrainConfig\.adagrad_eps must be a finite number"),

@@ -271,12 +271,13 @@ def test_the_clip_and_the_guard_norm_are_optax_s_to_the_bit(platform):
 
 
 # ---- parameter averaging (train.ema_decay) -------------------------------------------------------------
-def test_the_average_follows_the_recurrence_over_the_dense_parameters_and_leaves_tables_alone():
+@pytest.mark.parametrize("warmup", [10.0, 3.0])
+def test_the_average_follows_the_recurrence_over_the_dense_parameters_and_leaves_tables_alone(warmup):
   """Five updates through the whole optimizer: every dense parameter's average is the hand recurrence with the
   warmed-up decay, over the parameters the updates led to; tables keep their own values (no average)."""
   decay = 0.9
   params = _params()
-  tx = optim.make_optimizer(dataclasses.replace(CFG, ema_decay=decay), params, Table)
+  tx = optim.make_optimizer(dataclasses.replace(CFG, ema_decay=decay, ema_warmup=warmup), params, Table)
   pure = nnx.to_pure_dict(params)
   state = tx.init(pure)
   assert optim.Optimizer.averaged(pure, tx.init(pure))["table"] is pure["table"]
@@ -286,7 +287,7 @@ def test_the_average_follows_the_recurrence_over_the_dense_parameters_and_leaves
     grads = jax.tree.map(lambda p: jnp.cos(p * (t + 1.0)) - 0.3 * t, pure)
     updates, state = update(grads, state, pure)
     pure = optax.apply_updates(pure, updates)
-    rate = min(decay, (1 + t) / (10 + t))
+    rate = min(decay, (1 + t) / (warmup + t))
     want = jax.tree.map(lambda w, p: rate * w + (1 - rate) * np.asarray(p, np.float64), want, pure)
   got = optim.Optimizer.averaged(pure, state)
   for path in (("proj", "kernel"), ("proj", "bias"), ("blocks", 0, "kernel")):

@@ -177,12 +177,12 @@ class AverageState(NamedTuple):
   average: Any
 
 
-def track_average(decay: float) -> optax.GradientTransformation:
+def track_average(decay: float, warmup: float = 10.0) -> optax.GradientTransformation:
   """Passes the updates through and keeps an exponential moving average of the parameters they lead to
   (params + updates, as optax.apply_updates forms them), in float32 whatever the parameters' dtype. The decay
-  at update t is min(decay, (1 + t) / (10 + t)): the average follows the parameters closely at first instead
-  of remembering the initial values for 1 / (1 - decay) steps. It must be the chain's last link, where the
-  updates are final."""
+  at update t is min(decay, (1 + t) / (warmup + t)): the average follows the parameters closely at first instead
+  of remembering the initial values for 1 / (1 - decay) steps, spanning about the last t / (warmup - 1) updates
+  until the decay binds. It must be the chain's last link, where the updates are final."""
 
   def init(params):
     return AverageState(jnp.zeros([], jnp.int32), jax.tree_util.tree_map(lambda p: jnp.asarray(p, jnp.float32), params))
@@ -191,7 +191,7 @@ def track_average(decay: float) -> optax.GradientTransformation:
     if params is None:
       raise ValueError("track_average needs the parameters: call update(updates, state, params)")
     count = state.count.astype(jnp.float32)
-    rate = jnp.minimum(jnp.float32(decay), (1.0 + count) / (10.0 + count))
+    rate = jnp.minimum(jnp.float32(decay), (1.0 + count) / (jnp.float32(warmup) + count))
 
     def step(average, p, u):
       new = (jnp.asarray(p) + u).astype(jnp.asarray(p).dtype).astype(jnp.float32)
@@ -315,7 +315,7 @@ def make_optimizer(cfg: TrainConfig, params, table_type: type | None = None,
       optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=1e-8),
       optax.add_decayed_weights(cfg.weight_decay, mask=_lookup(known, lambda label, ndim: label == DENSE and ndim >= 2)),
       scale_by_schedule_in_state(schedule_numbers(cfg, total_steps)),
-      *([track_average(cfg.ema_decay)] if cfg.ema_decay > 0 else []),
+      *([track_average(cfg.ema_decay, cfg.ema_warmup)] if cfg.ema_decay > 0 else []),
   )
   rule = table_optim.make_rule(cfg)
   whole = optax.multi_transform({TABLE: rule.transformation(), DENSE: dense}, _lookup(known, lambda label, ndim: label))
