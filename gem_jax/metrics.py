@@ -245,7 +245,8 @@ def full_ranking_ranks(scores_BxI, targets_B, exclude_BxI):
 
   scores_BxI: float scores of every item (column i = item i; a padding column can be excluded);
   targets_B: int column of each row's target; exclude_BxI: bool, True for items that are not candidates.
-  A row whose target score is NaN gets rank I + 1 (a miss at every K).
+  A row whose target score is NaN gets rank I + 1 (a miss at every K); a candidate whose score is NaN counts
+  against the target, like a tie (items whose table rows went NaN must not drop out of the competition).
   """
   import jax.numpy as jnp  # metrics above are host numpy; only this function runs on device
 
@@ -254,7 +255,7 @@ def full_ranking_ranks(scores_BxI, targets_B, exclude_BxI):
   cols_I = jnp.arange(scores_BxI.shape[1], dtype=jnp.int32)
   is_target_BxI = cols_I[None, :] == targets_B[:, None]
   target_B1 = jnp.take_along_axis(scores_BxI, targets_B[:, None], axis=1)
-  rivals_BxI = ~exclude_BxI & ~is_target_BxI & (scores_BxI >= target_B1)
+  rivals_BxI = ~exclude_BxI & ~is_target_BxI & ~(scores_BxI < target_B1)   # >=, or NaN
   rank_B = 1 + jnp.sum(rivals_BxI, axis=1, dtype=jnp.int32)
   return jnp.where(jnp.isnan(target_B1[:, 0]), scores_BxI.shape[1] + 1, rank_B)
 

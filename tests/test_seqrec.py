@@ -243,12 +243,14 @@ def test_full_ranking_ranks_match_brute_force_with_ties_and_history(seed):
 
 
 def test_constant_scores_rank_last_and_nan_target_misses():
-  scores = np.zeros((2, 6), np.float32)
+  scores = np.zeros((3, 6), np.float32)
   scores[1, 2] = np.nan
-  exclude = np.zeros((2, 6), bool)
-  ranks = np.asarray(metrics.full_ranking_ranks(scores, np.array([3, 2]), exclude))
-  assert ranks.tolist() == [6, 7]
-  assert metrics.hit_rate_ndcg(ranks, (5,)) == {"HR@5": 0.0, "NDCG@5": 0.0}
+  scores[2] = [0.0, 1.0, np.nan, np.nan, 0.5, -1.0]   # NaN rivals count against the target, like ties
+  exclude = np.zeros((3, 6), bool)
+  exclude[2, 0] = True
+  ranks = np.asarray(metrics.full_ranking_ranks(scores, np.array([3, 2, 1]), exclude))
+  assert ranks.tolist() == [6, 7, 3]
+  assert metrics.hit_rate_ndcg(ranks[:2], (5,)) == {"HR@5": 0.0, "NDCG@5": 0.0}
   with pytest.raises(ValueError, match="ranks must be >= 1; got 0 at index 1"):
     metrics.hit_rate_ndcg([3, 0], (10,))
 
