@@ -129,3 +129,7 @@ def test_rules_override_and_unreadable_files(tmp_path):
   (tmp_path / "bad.yaml").write_text("axes: [1, 2\n")
   with pytest.raises(MeshFileError, match="not valid YAML"):
     mesh_lib.load(tmp_path / "bad.yaml")
+  (tmp_path / "twice.yaml").write_text("axes:\n  sparse: 2\n  replica: 1\n  sparse: 4\n")
+  with pytest.raises(MeshFileError, match=r"(?s)twice.yaml: not valid YAML: .*key 'sparse' a second time \(first given "
+                     r"at line 2\)"):
+    mesh_lib.load(tmp_path / "twice.yaml")

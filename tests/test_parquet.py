@@ -69,6 +69,11 @@ def test_a_spec_file_round_trips_and_names_the_key_of_every_error(tmp_path):
   path.write_text("tables: [unclosed")
   with pytest.raises(spec_file.SpecFileError, match="bad.yaml: not valid YAML"):
     spec_file.load(str(path))
+  # A key given twice: PyYAML alone keeps the second and drops the first without a word.
+  path.write_text("tables:\n  user_id: {rows: 10, dim: 4}\n  user_id: {rows: 20, dim: 4}\n")
+  with pytest.raises(spec_file.SpecFileError, match=r"(?s)bad.yaml: not valid YAML: .*key 'user_id' a second time "
+                     r"\(first given at line 2\)"):
+    spec_file.load(str(path))
 
 
 # ---- export and read back --------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from gem_jax import yamlfile
 from gem_jax.data.spec import (DenseFeature, FeatureSpec, SequenceSpec, SparseFeature, TableSpec, TaskSpec,
                                TokenField)
 
@@ -190,7 +191,7 @@ def parse(data: Any, path: str = "<spec>") -> SpecFile:
 def load(path: str) -> SpecFile:
   try:
     with open(path) as f:
-      data = yaml.safe_load(f)
+      data = yamlfile.load(f)
   except yaml.YAMLError as e:
     raise SpecFileError(f"{path}: not valid YAML: {e}") from e
   return parse(data, path)

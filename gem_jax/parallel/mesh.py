@@ -215,9 +215,11 @@ def _target(name, source: str) -> str | None:
 
 def load(path: str | os.PathLike) -> MeshSpec:
   import yaml
+
+  from gem_jax import yamlfile
   try:
     with open(path) as f:
-      data = yaml.safe_load(f)
+      data = yamlfile.load(f)
   except FileNotFoundError:
     raise MeshFileError(f"mesh file {path} does not exist") from None
   except yaml.YAMLError as e:

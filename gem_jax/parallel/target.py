@@ -116,15 +116,19 @@ def get(name_or_path: str) -> Target:
 @functools.lru_cache(maxsize=None)
 def _load(name_or_path: str) -> Target:
   import yaml
+
+  from gem_jax import yamlfile
   path = pathlib.Path(name_or_path)
   if path.suffix not in (".yaml", ".yml"):
     path = _DIR / f"{name_or_path}.yaml"
     if not path.exists():
       raise TargetError(f"unknown target {name_or_path!r}; shipped: {list(names())} (or a path to a target file)")
   try:
-    data = yaml.safe_load(path.read_text())
+    data = yamlfile.load(path.read_text())
   except FileNotFoundError:
     raise TargetError(f"target file {path} does not exist") from None
+  except yaml.YAMLError as e:
+    raise TargetError(f"{path}: not valid YAML: {e}") from None
   if not isinstance(data, dict):
     raise TargetError(f"{path}: a target file is a mapping with keys {list(_KEYS)}")
   missing, unknown = [k for k in _KEYS if k not in data], sorted(set(data) - set(_KEYS))
