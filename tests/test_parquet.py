@@ -3,9 +3,11 @@ parquet_rows.py) and the export of the synthetic stream (gem_jax/data/export.py)
 
 import dataclasses
 import os
+import shutil
 
 import jax
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -121,15 +123,19 @@ def test_the_iterator_resumes_at_the_exact_example_and_refuses_changed_files(exp
     other.set_state(state)
 
 
-def test_a_shuffled_epoch_reads_every_row_once_in_an_order_of_its_own(exported):
-  src = _source(exported, shuffle_window=96, seed=0)
+def test_a_shuffled_epoch_reads_every_row_once_in_an_order_of_its_own(exported, tmp_path):
+  # An empty file among the training files (a row group of 0 rows): every row is still read once per epoch.
+  shutil.copytree(exported, tmp_path / "with_empty")
+  train = sorted((tmp_path / "with_empty" / "train").glob("*.parquet"))
+  pq.write_table(pq.read_schema(train[0]).empty_table(), train[0].with_name(train[0].stem + "-empty.parquet"))
+  src = _source(tmp_path / "with_empty", shuffle_window=96, seed=0)
   ids = lambda epoch: np.concatenate([src.block(epoch * 20 + j, B).sparse["user_id"] for j in range(20)])
   plain = np.concatenate([_source(exported).block(j, B).sparse["user_id"] for j in range(20)])
   first, second = ids(0), ids(1)
   assert sorted(first) == sorted(plain) == sorted(second)
   assert not np.array_equal(first, plain) and not np.array_equal(first, second)
-  assert np.array_equal(first, np.concatenate([_source(exported, shuffle_window=96, seed=0).block(j, B).sparse["user_id"]
-                                               for j in range(20)]))
+  again = _source(tmp_path / "with_empty", shuffle_window=96, seed=0)
+  assert np.array_equal(first, np.concatenate([again.block(j, B).sparse["user_id"] for j in range(20)]))
 
 
 # ---- bad input, loudly ----------------------------------------------------------------------------------

@@ -200,7 +200,8 @@ class ParquetSource(BlockBatches):
     files = list_files(data.train or os.path.join(data.path, "train"))
     self.train_groups = RowGroups(files, self.converter)
     if data.shuffle_window:  # keep every row group of a window (and one on each side) in the cache
-      self.train_groups.cache = max(16, -(-data.shuffle_window // int(self.train_groups.sizes.min())) + 2)
+      smallest = int(self.train_groups.sizes[self.train_groups.sizes > 0].min())   # empty groups hold no rows
+      self.train_groups.cache = max(16, -(-data.shuffle_window // smallest) + 2)
     self.order = EpochOrder(self.train_groups, data.shuffle_window, data.seed)
     self._eval_where = data.eval or os.path.join(data.path, "eval")
     self._eval = None
