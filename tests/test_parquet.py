@@ -175,6 +175,9 @@ CASES = {
                 None, r"row 45: column 'ad_id': null value"),
     "id outside its table": (lambda t: _set(t, "ad_id", [5000 if i == 7 else x for i, x in enumerate(_col(t, "ad_id"))]),
                              None, r"row 7: column 'ad_id': id 5000 is outside table 'ad_id' of 2000 rows"),
+    "uint64 id above 2^63": (lambda t: _set(t, "ad_id", [2**63 + 5 if i == 7 else x for i, x in
+                                                        enumerate(_col(t, "ad_id"))], pa.uint64()),
+                             None, r"row 7: column 'ad_id': id 9223372036854775813 is outside table 'ad_id'"),
     "history id outside": (lambda t: _set(t, "history_item_category", [[99] * len(x) if i == 50 else x for i, x in
                                                                        enumerate(_col(t, "history_item_category"))]),
                            None, r"row 50: column 'history_item_category': id 99 is outside table 'category'"),

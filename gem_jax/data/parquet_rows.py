@@ -57,6 +57,10 @@ class Converter:
     def fail(col: str, local_row: int, msg: str):
       raise DataFileError(f"{file}: row {first_row + int(local_row)}: column {col!r}: {msg}")
 
+    # uint64 columns become int64 with their bits kept (what out_of_range: hash mixes); a message shows the
+    # value the file holds.
+    unsigned64: set[str] = set()
+
     def column(col: str):
       if col not in table.column_names:
         raise DataFileError(f"{file}: missing column {col!r} (columns: {table.column_names})")
@@ -71,6 +75,8 @@ class Converter:
       if not pa.types.is_integer(arr.type):
         raise DataFileError(f"{file}: column {col!r} must hold integers, has {arr.type}")
       no_nulls(arr, col)
+      if arr.type == pa.uint64():
+        unsigned64.add(col)
       return arr.to_numpy(zero_copy_only=False).astype(np.int64)
 
     def int_lists(col: str) -> tuple[np.ndarray, np.ndarray]:
@@ -84,6 +90,8 @@ class Converter:
         row = np.searchsorted(np.cumsum(lengths), np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0],
                               side="right")
         fail(col, row, "null inside the list")
+      if values.type == pa.uint64():
+        unsigned64.add(col)
       return values.to_numpy(zero_copy_only=False).astype(np.int64), lengths
 
     def in_table(ids: np.ndarray, lengths: np.ndarray | None, table_name: str, col: str) -> np.ndarray:
@@ -94,7 +102,8 @@ class Converter:
       if t.out_of_range == "error":
         k = int(np.flatnonzero(bad)[0])
         row = k if lengths is None else int(np.searchsorted(np.cumsum(lengths), k, side="right"))
-        fail(col, row, f"id {int(ids[k])} is outside table {t.name!r} of {t.vocab_size} rows (the spec can "
+        value = int(ids[k]) + (1 << 64 if col in unsigned64 and ids[k] < 0 else 0)
+        fail(col, row, f"id {value} is outside table {t.name!r} of {t.vocab_size} rows (the spec can "
                        f"say out_of_range: hash)")
       count[f"hashed_ids/{t.name}"] += int(bad.sum())
       hashed = (mix(ids[bad].astype(np.uint64)) % np.uint64(t.vocab_size)).astype(np.int64)
