@@ -143,8 +143,16 @@ class Converter:
     planted = np.full((n, len(spec.tasks)), np.nan, np.float32)
     for k, t in enumerate(spec.tasks):
       name = PLANTED.format(t.name)
-      if name in table.column_names:
-        planted[:, k] = column(name).to_numpy(zero_copy_only=False).astype(np.float32)
+      if name in table.column_names:   # the true logit of a synthetic export (null or NaN: not known)
+        arr = column(name)
+        if not (pa.types.is_floating(arr.type) or pa.types.is_integer(arr.type)):
+          raise DataFileError(f"{file}: column {name!r} (the planted logit of task {t.name!r}) must hold numbers, "
+                              f"has {arr.type}")
+        values = arr.to_numpy(zero_copy_only=False).astype(np.float64)
+        inf = np.flatnonzero(np.isinf(values) | (np.abs(values) > np.finfo(np.float32).max))
+        if inf.size:
+          fail(name, inf[0], f"planted logit {values[inf[0]]} is not finite in float32")
+        planted[:, k] = values.astype(np.float32)
     with self._lock:
       self.counters.update(count)
     return Examples(sparse=sparse, multi_hot=multi_hot, dense_nxG=dense_nxG, history=(values_TxF, lengths),
