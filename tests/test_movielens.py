@@ -73,3 +73,37 @@ def test_gem_trains_on_movielens_and_beats_the_base_rate(movielens_prepared, tmp
   like = summary["tasks"]["like"]
   assert like["eval_count"] == 4096 and like["eval_auc"] > 0.65 and like["eval_ne"] < like["baseline_ne"], like
   assert summary["input_counters"] == {}
+
+
+def _fake_ml100k(root, users=("1|24|M|technician|85711", "2|53|F|other|94043"), data=None):
+  folder = root / "ml-100k"
+  folder.mkdir(parents=True, exist_ok=True)
+  (folder / "u.occupation").write_text("technician\nother\n")
+  (folder / "u.user").write_text("\n".join(users) + "\n")
+  flags = "|".join(["0"] * 18 + ["1"])
+  (folder / "u.item").write_text(f"1|A (1995)|01-Jan-1995||http://a|{flags}\n2|B (1996)|01-Jan-1996||http://b|{flags}\n")
+  (folder / "u.data").write_text(data or "1\t1\t5\t874965758\n1\t2\t3\t874965759\n2\t1\t4\t874965760\n")
+  return root
+
+
+def test_malformed_files_name_the_line_and_a_repeated_id_is_refused(tmp_path):
+  d = movielens.load(str(_fake_ml100k(tmp_path / "ok")))
+  assert d["ratings"].shape == (3, 4) and d["gender"].tolist() == [0, 0, 1]
+  # A user id on two lines would overwrite the first and leave user 2 with made-up attributes.
+  with pytest.raises(movielens.MovieLensError, match=r"u.user:3: user id 1 again \(first at line 1\)"):
+    movielens.load(str(_fake_ml100k(tmp_path / "twice", users=("1|24|M|technician|85711", "",
+                                                                  "1|30|F|other|10001"))))
+  # Line numbers count blank lines; a sixth field is an error, not a crash on unpacking.
+  with pytest.raises(movielens.MovieLensError, match=r"u.user:3: expected 5 fields, got 6"):
+    movielens.load(str(_fake_ml100k(tmp_path / "six", users=("1|24|M|technician|85711", "",
+                                                                "2|53|F|other|94043|x"))))
+
+
+def test_prior_counts_do_not_depend_on_the_timestamps_scale():
+  """Millisecond (or larger) timestamps order the same events the same way as seconds."""
+  rng = np.random.default_rng(0)
+  keys, ts, values = rng.integers(0, 5, 200), rng.integers(0, 8, 200), rng.integers(1, 6, 200)
+  small = movielens._prior(keys, ts, values)
+  large = movielens._prior(keys, ts * (1 << 41) + (1 << 50), values)
+  for a, b in zip(small, large, strict=True):
+    assert np.array_equal(a, b)

@@ -36,7 +36,8 @@ class MovieLensError(ValueError):
   """A MovieLens file is malformed; the message names the file and the line."""
 
 
-def _read(path: str, sep: str, fields: int, encoding: str = "latin-1") -> list[list[str]]:
+def _read(path: str, sep: str, fields: int, encoding: str = "latin-1") -> list[tuple[int, list[str]]]:
+  """(line number, its `fields` fields) of every non-empty line."""
   if not os.path.exists(path):
     raise FileNotFoundError(f"MovieLens-100K: no {path} (pass --data-dir, the folder that holds ml-100k/)")
   rows = []
@@ -46,9 +47,9 @@ def _read(path: str, sep: str, fields: int, encoding: str = "latin-1") -> list[l
       if not line:
         continue
       parts = line.split(sep)
-      if len(parts) < fields:
+      if len(parts) != fields:
         raise MovieLensError(f"{path}:{n}: expected {fields} fields, got {len(parts)}: {line[:80]!r}")
-      rows.append(parts)
+      rows.append((n, parts))
   return rows
 
 
@@ -62,16 +63,26 @@ def _int(path: str, n: int, value: str, what: str, low: int, high: int) -> int:
   return x
 
 
+def _once(path: str, n: int, what: str, key: int, seen: dict) -> None:
+  """Ids 1..count, each on one line: a second line of an id would overwrite the first and leave another id
+  with no line (and made-up attributes)."""
+  first = seen.setdefault(key, n)
+  if first != n:
+    raise MovieLensError(f"{path}:{n}: {what} id {key} again (first at line {first})")
+
+
 def load(data_dir: str) -> dict[str, np.ndarray]:
   """The ratings (user, item, rating, ts) and the user and item attributes, as id-indexed arrays."""
   root = os.path.join(data_dir, "ml-100k")
   users_path, items_path, data_path = (os.path.join(root, f) for f in ("u.user", "u.item", "u.data"))
-  occupations = [r[0] for r in _read(os.path.join(root, "u.occupation"), "|", 1)]
+  occupations = [r[0] for _, r in _read(os.path.join(root, "u.occupation"), "|", 1)]
   users = _read(users_path, "|", 5)
   U = len(users)
   age, gender, occupation, zip_region = (np.zeros(U + 1, np.int64) for _ in range(4))
-  for n, (uid, a, g, occ, z) in enumerate(users, 1):
+  seen = {}
+  for n, (uid, a, g, occ, z) in users:
     u = _int(users_path, n, uid, "user id", 1, U)
+    _once(users_path, n, "user", u, seen)
     age[u] = int(np.searchsorted(_AGE_EDGES, _int(users_path, n, a, "age", 1, 120), side="right"))
     if g not in ("M", "F"):
       raise MovieLensError(f"{users_path}:{n}: gender {g!r} is not M or F")
@@ -83,8 +94,10 @@ def load(data_dir: str) -> dict[str, np.ndarray]:
   items = _read(items_path, "|", 24)
   I = len(items)
   genres, first_genre, decade = np.zeros((I + 1, 19), bool), np.zeros(I + 1, np.int64), np.zeros(I + 1, np.int64)
-  for n, row in enumerate(items, 1):
+  seen = {}
+  for n, row in items:
     i = _int(items_path, n, row[0], "movie id", 1, I)
+    _once(items_path, n, "movie", i, seen)
     flags = [_int(items_path, n, x, "genre flag", 0, 1) for x in row[5:24]]
     genres[i] = flags
     first_genre[i] = flags.index(1) if 1 in flags else 0
@@ -93,7 +106,7 @@ def load(data_dir: str) -> dict[str, np.ndarray]:
   ratings = _read(data_path, "\t", 4)
   data = np.array([[_int(data_path, n, r[0], "user id", 1, U), _int(data_path, n, r[1], "movie id", 1, I),
                     _int(data_path, n, r[2], "rating", 1, 5), _int(data_path, n, r[3], "timestamp", 0, 2**62)]
-                   for n, r in enumerate(ratings, 1)], np.int64)
+                   for n, r in ratings], np.int64)
   return {"ratings": data, "age": age, "gender": gender, "occupation": occupation, "zip_region": zip_region,
           "genres": genres, "first_genre": first_genre, "decade": decade}
 
@@ -103,7 +116,9 @@ def _prior(keys: np.ndarray, ts: np.ndarray, values: np.ndarray):
   order = np.lexsort((ts, keys))
   k, t, v = keys[order], ts[order], values[order]
   starts = np.searchsorted(k, k, side="left")           # the key's first event
-  earlier = np.searchsorted(k * (1 << 40) + t, k * (1 << 40) + t, side="left")  # first event of (key, ts)
+  first = np.ones(len(k), bool)                        # sorted by (key, ts): where each (key, ts) run starts
+  first[1:] = (k[1:] != k[:-1]) | (t[1:] != t[:-1])
+  earlier = np.maximum.accumulate(np.where(first, np.arange(len(k)), 0))   # first event of (key, ts)
   csum = np.concatenate([[0], np.cumsum(v)])
   count, total = np.empty_like(keys), np.empty(keys.shape, np.float64)
   count[order] = earlier - starts
