@@ -255,6 +255,11 @@ def test_tolerating_policies_count_what_they_did(tmp_path, exported):
   assert ex.label_mask_nxK[row].tolist() == [0, 0]  # the conversion label hangs off the masked click
   assert ex.label_mask_nxK.sum() == _source(exported).block(0, B).label_mask_nxK.sum() - 2
   assert src.counters() == {"hashed_ids/ad_id": 3, "masked_labels/click": 1, "masked_labels/conversion": 1}
+  # Each row counts once, however often its row group is read again: the next epoch, after the cache let it go.
+  src.train_groups.cache = 1
+  for j in (5, 20, 21, 40):
+    src.block(j, B)
+  assert src.counters() == {"hashed_ids/ad_id": 3, "masked_labels/click": 1, "masked_labels/conversion": 1}
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ outside its table (or hashed into range, counted, when the table says `out_of_ra
 dense value, a history longer than max_len (or truncated to its most recent tokens, counted, when the
 spec says `overflow: truncate`), a label outside {0, 1} or a child's label where its parent is not 1 (or
 masked, counted, with `bad_labels: mask`). Nothing is clamped or dropped silently; `counters()` says what
-a tolerating policy did.
+a tolerating policy did, each row of the files read counted once however often it is read (a process
+counts what it read since it started: a resumed run counts again from zero).
 
 This module never repairs a value silently and never opens a file: it converts the Arrow tables the source
 reads.
@@ -40,6 +41,7 @@ class Converter:
     self.sparse_col, self.dense_col = dict(columns.sparse), dict(columns.dense)
     self.history_col, self.task_col = dict(columns.history), dict(columns.tasks)
     self.counters: collections.Counter = collections.Counter()
+    self._counted: set[tuple[str, int]] = set()   # (file, first row) of each row group already in the counters
     self._lock = threading.Lock()
 
   def needed(self, schema_names) -> list[str]:
@@ -153,8 +155,10 @@ class Converter:
         if inf.size:
           fail(name, inf[0], f"planted logit {values[inf[0]]} is not finite in float32")
         planted[:, k] = values.astype(np.float32)
-    with self._lock:
-      self.counters.update(count)
+    with self._lock:   # a row group read again (a later epoch, after the cache let it go) counts once
+      if (file, first_row) not in self._counted:
+        self._counted.add((file, first_row))
+        self.counters.update(count)
     return Examples(sparse=sparse, multi_hot=multi_hot, dense_nxG=dense_nxG, history=(values_TxF, lengths),
                     domain_n=domain, labels_nxK=labels, label_mask_nxK=mask, planted_logits_nxK=planted)
 
