@@ -101,3 +101,14 @@ def test_tiled_attention_tiles_match_the_kernels_own_count():
     offsets = np.concatenate([[0], np.cumsum(n)])
     want = tiled.executed_pairs(offsets, c + 100, num_targets=np.ones(17, np.int32), contextual_seq_len=c)
     assert flops.tiled_attention_tiles(n, max_seq_len=c + 100, num_contextual=c) * flops.TILED_BLOCK ** 2 == want
+
+
+def test_a_chunked_full_softmax_counts_each_rows_own_tokens(tmp_path):
+  """The chunked loss pads a batch's tokens to a multiple of task.loss_chunk; a row's model FLOPs are its own
+  tokens' logits, as the whole-batch loss counts them, less the padding item it also scores."""
+  from tests.data_helpers import toy_u_data
+  base = apply_overrides(configs.seqrec("ml-100k", quick=True), [f"data.data_dir={toy_u_data(tmp_path)}",
+                                                                  "task.loss=full_softmax"])
+  counts = [flops.FlopModel(build(apply_overrides(base, [f"task.loss_chunk={c}"]), abstract=True)).forward([1, 7, 30])
+            for c in (0, 512)]
+  assert counts[0] - counts[1] == pytest.approx(2 * base.model.dim * 38, rel=1e-9)   # the padding item, per token

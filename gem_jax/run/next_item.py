@@ -92,7 +92,10 @@ def full_softmax_loss_sums(user_TxD, table_IxD, targets_T, negatives_K, logq_neg
 
 
 def _token_chunks(x, chunk: int):
-  """T x ... -> (T / chunk) x chunk x ..., the token axis padded with zeros to a multiple of chunk."""
+  """T x ... -> (T / chunk) x chunk x ..., the token axis padded with zeros to a multiple of chunk; fewer
+  than chunk tokens make one chunk of their own length (no padded logits: a one-row trace of the FLOP model,
+  gem_jax/observe/flops.py, counts the row's own tokens)."""
+  chunk = max(1, min(chunk, x.shape[0]))
   pad = -x.shape[0] % chunk
   x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
   return x.reshape((x.shape[0] // chunk, chunk) + x.shape[1:])
