@@ -104,14 +104,16 @@ def _resolve(impl: str, registry: dict[str, Callable], kernel: str) -> Callable:
   return registry[impl]
 
 
-def _counted(kind: str, impl: str, q_TxHxD, v_TxHxDv, max_seq_len: int, contextual_seq_len: int) -> bool:
+def _counted(kind: str, impl: str, q_TxHxD, v_TxHxDv, max_seq_len: int, contextual_seq_len: int,
+             block: int | None = None) -> bool:
   """Tells the runtime's recorder about this call (gem_jax/runtime.py); True when the trace is only
-  counted and the call should return zeros instead of a kernel."""
+  counted and the call should return zeros instead of a kernel. block: the tiled loop's tile edge, None when
+  the autotuner picks it per batch (or the impl has no tiles)."""
   rt = runtime.current()
   if rt.recorder is not None:
     runtime.record("attention", kind=kind, impl=_auto(impl), length=q_TxHxD.shape[0], heads=q_TxHxD.shape[1],
                    dh=q_TxHxD.shape[2], dv=v_TxHxDv.shape[2], max_seq_len=max_seq_len,
-                   num_contextual=contextual_seq_len)
+                   num_contextual=contextual_seq_len, block=block)
   return rt.count_only
 
 
@@ -135,7 +137,8 @@ def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int,
     raise ValueError(f"hstu_attention: tiles must be None, 'auto' or a TileConfig, got {tiles!r}")
   if isinstance(tiles, hstu_tiled.TileConfig) and not tiled:
     raise ValueError(f"hstu_attention: tiles={tiles} is a setting of the 'xla' impl, not of {_auto(impl)!r}")
-  if _counted("hstu", impl, q_TxHxD, v_TxHxDv, max_seq_len, contextual_seq_len):
+  block = None if not tiled or tiles == "auto" else (tiles or hstu_tiled.DEFAULT_TILES).block
+  if _counted("hstu", impl, q_TxHxD, v_TxHxDv, max_seq_len, contextual_seq_len, block):
     return jax.numpy.zeros_like(v_TxHxDv)
   extra = {}
   if tiled and tiles == "auto":

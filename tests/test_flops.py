@@ -96,11 +96,11 @@ def test_param_counts_split_sparse_and_dense(tiny_model):
 def test_tiled_attention_tiles_match_the_kernels_own_count():
   from pallas_kernels.hstu_attention import tiled
   rng = np.random.default_rng(0)
-  for c in (0, 3, 20):
+  for c, block in ((0, 32), (3, 32), (20, 32), (3, 64), (20, 16)):
     n = rng.integers(0, 120, size=17) + c + 1
     offsets = np.concatenate([[0], np.cumsum(n)])
-    want = tiled.executed_pairs(offsets, c + 100, num_targets=np.ones(17, np.int32), contextual_seq_len=c)
-    assert flops.tiled_attention_tiles(n, max_seq_len=c + 100, num_contextual=c) * flops.TILED_BLOCK ** 2 == want
+    want = tiled.executed_pairs(offsets, c + 100, block, num_targets=np.ones(17, np.int32), contextual_seq_len=c)
+    assert flops.tiled_attention_tiles(n, max_seq_len=c + 100, num_contextual=c, block=block) * block ** 2 == want
 
 
 def test_a_chunked_full_softmax_counts_each_rows_own_tokens(tmp_path):
@@ -112,3 +112,16 @@ def test_a_chunked_full_softmax_counts_each_rows_own_tokens(tmp_path):
   counts = [flops.FlopModel(build(apply_overrides(base, [f"task.loss_chunk={c}"]), abstract=True)).forward([1, 7, 30])
             for c in (0, 512)]
   assert counts[0] - counts[1] == pytest.approx(2 * base.model.dim * 38, rel=1e-9)   # the padding item, per token
+
+
+def test_executed_tiled_flops_follow_the_configured_tile_edge(tiny_model):
+  """An explicit model.hstu.attn_tiles counts the tiles its loops walk at its own edge, not the default's;
+  the count-only trace records the edge with each attention call, and "auto" (picked per batch) says so."""
+  _, model32 = tiny_model
+  model = lambda tiles: flops.FlopModel(build(apply_overrides(configs.get("tiny"), [f"model.hstu.attn_tiles={tiles}"]),
+                                              abstract=True))
+  model64, auto = model("64x8"), model("auto")
+  assert {c.block for p in model64.pieces for c, _, _ in p.calls} == {64} and not model64.notes
+  lengths = np.array([3, 17, 32])   # rows of at most 35 tokens: one 64-token tile each, 1-2 x 32 x 32 pairs
+  assert model64.tiled_train(lengths) > 1.3 * model32.tiled_train(lengths)
+  assert any("attn_tiles=auto" in note for note in auto.notes)

@@ -33,7 +33,7 @@ from pallas_kernels.hstu_attention import tiled as hstu_tiled
 
 ATTN_POINTWISE_FLOPS = {"hstu": 8, "softmax": 0}
 TRAIN_FLOPS_FACTOR = 3.0
-TILED_BLOCK = hstu_tiled.DEFAULT_TILES.block  # the tile edge of the tiled HSTU loop, which the model uses
+TILED_BLOCK = hstu_tiled.DEFAULT_TILES.block  # the tiled HSTU loop's default tile edge
 _CHECK_RTOL = 1e-9
 
 
@@ -72,6 +72,7 @@ class AttentionCall:
   dv: int
   max_seq_len: int
   num_contextual: int
+  block: int | None = None   # the tiled HSTU loop's tile edge; None: picked per batch by the autotuner
 
   @property
   def flops(self) -> float:
@@ -132,6 +133,9 @@ class FlopModel:
     self.notes = []
     if any(c.impl == "xla" and c.kind == "softmax" for c in calls):
       self.notes.append("tiled softmax attention loops are not added to the executed FLOPs")
+    if any(c.impl == "xla" and c.kind == "hstu" and c.block is None for c in calls):
+      self.notes.append(f"executed FLOPs count the tiled HSTU loops at {TILED_BLOCK}-token tiles; with "
+                        "attn_tiles=auto the autotuner picks per batch (report: hstu_tiles)")
     del self._run
 
   def _sample(self, n: int):
@@ -216,9 +220,11 @@ class FlopModel:
         if call.kind != "hstu" or call.impl != "xla":
           continue
         row_lengths = np.rint(slope * rows + intercept).astype(np.int64)
-        tiles = tiled_attention_tiles(row_lengths, max_seq_len=call.max_seq_len, num_contextual=call.num_contextual)
+        block = call.block or TILED_BLOCK
+        tiles = tiled_attention_tiles(row_lengths, max_seq_len=call.max_seq_len, num_contextual=call.num_contextual,
+                                      block=block)
         per_pair_head = 2 * (4 * call.dh + 3 * call.dv) + 3 * ATTN_POINTWISE_FLOPS["hstu"]
-        total += float(tiles) * TILED_BLOCK * TILED_BLOCK * call.heads * per_pair_head
+        total += float(tiles) * block * block * call.heads * per_pair_head
     return total
 
 
