@@ -233,6 +233,19 @@ def test_with_parameter_averaging_best_keeps_the_dense_average_and_the_whole_hos
   assert averaged > 10   # the dense leaves are the average; the tables are the state's own rows
 
 
+def test_a_write_back_before_the_first_batch_keeps_row_zero():
+  """Slot 0 is row 0's from the start but holds row 0's values only once the first plan's fill went out:
+  whole tables taken before any batch (a fresh run, or one restored and evaluated before training on) keep
+  row 0 and its optimizer state, instead of the empty slot's zeros."""
+  run = build(_config(HOST))
+  stores = run.tables.tables["ad_id"].store
+  want = [np.array(s[0]) for s in stores]
+  assert np.any(want[0] != 0)
+  run.whole(run.state)
+  for w, s in zip(want, stores, strict=True):
+    np.testing.assert_array_equal(s[0], w)
+
+
 @pytest.mark.slow
 def test_the_multi_process_fault_drill_resumes_host_tables_bit_for_bit(tmp_path):
   """experiments/fault_drill.py --processes 2 on cpu_2 (each process owns half of every table's rows) with

@@ -209,13 +209,19 @@ class HostTable:
       self.caches[o].unpin(s)
 
   def cached(self) -> tuple[np.ndarray, np.ndarray]:
-    """(global slots, rows) of every cached row."""
+    """(global slots, rows) of every row whose values are in the cache. Slot 0 is row 0's from the start,
+    but holds its values only once the next plan's fill went out: until then (a fresh or just restored
+    table) it is left out, so a write-back does not put the empty slot over row 0."""
     slots, rows = [], []
     for o, cache in enumerate(self.caches):
       s, r = cache.cached()
       slots.append(o * self.slots_per_owner + s)
       rows.append(o * self.per_owner + r)
-    return np.concatenate(slots), np.concatenate(rows)
+    slots, rows = np.concatenate(slots), np.concatenate(rows)
+    if self._row_zero is not None:
+      keep = slots != 0
+      slots, rows = slots[keep], rows[keep]
+    return slots, rows
 
   def stats(self) -> dict:
     hits = sum(c.hits for c in self.caches)
