@@ -106,10 +106,10 @@ def test_a_short_streak_is_skipped_and_counted(tmp_path, monkeypatch):
 def test_a_long_streak_restores_the_checkpoint_before_it(tmp_path, monkeypatch, capsys):
   _poison(monkeypatch, {6, 7, 8})
   summary = jobs.train_config(_tiny(), str(tmp_path), progress=False, report=False)
-  # Detected when step 8's metrics are read (step 9 in flight); checkpoint 8 was written during the
-  # streak, so the restore goes back to 4, the newest from before it.
+  # Detected when step 8's metrics are read, which checkpoint step 8 does before it saves (nothing in flight):
+  # the restore goes back to 4, the newest from before the streak, and checkpoint 8 holds the restored state.
   [restore] = summary["nonfinite"]["restores"]
-  assert restore == {"at_step": 9, "streak": [6, 8], "restored_step": 4, "updates_discarded": 2}
+  assert restore == {"at_step": 8, "streak": [6, 8], "restored_step": 4, "updates_discarded": 1}
   assert summary["nonfinite"]["skipped_steps"] == [6, 7, 8]
   assert "3 consecutive non-finite steps (6..8" in capsys.readouterr().out
   records = _records(tmp_path)
@@ -121,15 +121,15 @@ def test_a_long_streak_restores_the_checkpoint_before_it(tmp_path, monkeypatch, 
 def test_stop_policy_and_too_many_restores_end_the_run(tmp_path, monkeypatch):
   _poison(monkeypatch, {6, 7, 8})
   with pytest.raises(NonFiniteError, match=r"3 consecutive non-finite steps \(6\.\.8.*stopping "
-                                                r"\(train.on_nonfinite=stop\); last checkpoint: step 8"):
+                                                r"\(train.on_nonfinite=stop\); last checkpoint: step 4"):
     jobs.train_config(_tiny(**{"train.on_nonfinite": "stop"}), str(tmp_path / "stop"), progress=False, report=False)
   assert any(r.get("event") == "nonfinite_stop" for r in _records(tmp_path / "stop"))
   _poison(monkeypatch, {2, 3, 4})  # nothing saved before the streak: nothing to go back to
   with pytest.raises(NonFiniteError, match=r"\(2\.\.4.*no checkpoint from before step 2 to restore "
-                                                r"\(steps on disk: \[4\]\)"):
+                                                r"\(steps on disk: \[\]\)"):
     jobs.train_config(_tiny(), str(tmp_path / "early"), progress=False, report=False)
-  _poison(monkeypatch, set(range(6, 17)))  # restored once at step 9, then 10..12 in a row again
-  with pytest.raises(NonFiniteError, match=r"\(10\.\.12.*already restored 1 times"):
+  _poison(monkeypatch, set(range(6, 17)))  # restored once at step 8, then 9..11 in a row again
+  with pytest.raises(NonFiniteError, match=r"\(9\.\.11.*already restored 1 times"):
     jobs.train_config(_tiny(**{"train.max_nonfinite_restores": 1, "train.steps": 16}), str(tmp_path / "again"),
                progress=False, report=False)
 

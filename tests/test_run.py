@@ -204,6 +204,9 @@ def test_an_in_test_source_and_task_train_resume_and_select_through_the_trainer(
   resumed = train_config(cfg, part, resume=True, progress=False, report=False)
   assert resumed["steps_this_run"] == 2
   assert resumed["eval"] == whole["eval"] and resumed["selected"] == whole["selected"]
+  # Step 4 (a checkpoint, no evaluation) counts in the next evaluation's mean train loss after the resume too.
+  evals = lambda folder: [r for r in map(json.loads, open(os.path.join(folder, "metrics.jsonl"))) if "eval_step" in r]
+  assert evals(part) == evals(tmp_path / "whole")
 
 
 # ---- derived, not mirrored: an added layer pair and an added lookup are seen everywhere -------------------

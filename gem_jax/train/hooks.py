@@ -120,6 +120,9 @@ class Checkpoint(Hook):
   def end_step(self, t) -> None:
     if not (self.checkpointer.should_save(t.step) or t.step in (t.total_steps, t.end_step)):
       return
+    # The step's own metrics first, so that every hook's state saved here has seen them (the evaluation's
+    # mean train loss, the guard's skipped steps): a run resumed from this checkpoint never drains them.
+    t.drain()
     t.mark_busy(t.step)
     t.event("save_begin", t.step)
     extra = {"data": t.data.get_state(), "wall_s": t.wall_s(),
@@ -377,7 +380,8 @@ class Guard(Hook):
   partial_summary = summary
 
   def state_dict(self) -> dict:
-    return {"skipped": self.skipped, "restores": self.restores}
+    return {"skipped": self.skipped, "restores": self.restores, "streak": self.streak}
 
   def load_state_dict(self, state: dict) -> None:
     self.skipped, self.restores = state["skipped"], state["restores"]
+    self.streak = state.get("streak", 0)   # checkpoints written before it was kept: 0
