@@ -49,7 +49,7 @@ def test_tiny_run_writes_outputs_and_resume_is_exact_in_either_hook_order(tmp_pa
   from gem_jax.run.build import build
   from gem_jax.train import trainer
   from gem_jax.train.jobs import standard_hooks
-  cfg = _tiny(**{"train.eval_every": 4})
+  cfg = _tiny(**{"train.eval_every": 4, "train.select_metric": "click/ne"})   # best/ too, in either order
   full, part = str(tmp_path / "full"), str(tmp_path / "part")
   summary = train(cfg, full, progress=False)
   check_run_report(full, num_devices=1)
@@ -94,6 +94,10 @@ def test_tiny_run_writes_outputs_and_resume_is_exact_in_either_hook_order(tmp_pa
   reversed_run(stop_after=8)
   resumed = reversed_run(resume=True)
   assert fault_drill.identical(resumed["evaluations"], summary["evaluations"])
+  # best/ of step 8 is the checkpoint's own: nothing to drop and replay, whichever hook restores first.
+  replayed = lambda folder: [r for r in map(json.loads, open(tmp_path / folder / "metrics.jsonl"))
+                             if r.get("event") == "best_replayed"]
+  assert replayed("reversed") == replayed("part") == []
   assert fault_drill.identical(json.loads(json.dumps(resumed["tasks"])), json.loads(json.dumps(summary["tasks"])))
   # The meter's numbers: timings, and rank imbalance only in a run that writes a report (not the stopped one).
   metered = ("examples_per_s", "step_time_s", "mfu", "hfu", "imbalance_balanced", "imbalance_random")

@@ -196,11 +196,13 @@ class Evaluate(Hook):
   def restore(self, t, resume: bool) -> None:
     if self.select:
       self.best_dir = Checkpointer(os.path.join(t.out_dir, "best"), keep=1, save_every=1, async_save=False)
-      # A run stopped between a selecting evaluation and its next checkpoint left parameters of a step that
-      # this run takes again from the checkpoint, to the same bits: they go, and the replay saves them anew.
-      self.replayed = self.best_dir.drop_after(t.step)
 
   def begin(self, t) -> None:
+    if self.select:
+      # A run stopped between a selecting evaluation and its next checkpoint left parameters of a step that
+      # this run takes again from the checkpoint, to the same bits: they go, and the replay saves them anew.
+      # Here, not in restore: t.step is the restored step only once every hook has restored.
+      self.replayed = self.best_dir.drop_after(t.step)
     if self.replayed:
       t.log({"event": "best_replayed", "step": t.step, "dropped_steps": self.replayed})
 
