@@ -134,6 +134,24 @@ def test_stop_policy_and_too_many_restores_end_the_run(tmp_path, monkeypatch):
                progress=False, report=False)
 
 
+def test_a_resume_after_every_checkpoint_was_moved_aside_does_not_start_over(tmp_path):
+  """The first resume finds every checkpoint unreadable, moves each aside and raises; a second one must not
+  take the empty folder for a new run (truncating metrics.jsonl, emptying best/) but say what happened."""
+  from gem_jax.train.checkpoint import CheckpointCorruptError
+  cfg = _tiny(**{"train.steps": 4, "train.checkpoint_every": 2})
+  jobs.train_config(cfg, str(tmp_path), progress=False, report=False)
+  for step in ("2", "4"):
+    files = [os.path.join(r, f) for r, _, names in os.walk(tmp_path / "checkpoints" / step / "state") for f in names]
+    with open(max(files, key=os.path.getsize), "r+b") as f:
+      f.truncate(10)
+  log = (tmp_path / "metrics.jsonl").read_text()
+  with pytest.warns(RuntimeWarning), pytest.raises(CheckpointCorruptError, match="no usable checkpoint"):
+    jobs.train_config(cfg, str(tmp_path), progress=False, report=False, resume=True)
+  with pytest.raises(CheckpointCorruptError, match=r"nothing to resume from but \['2.corrupt', '4.corrupt'\]"):
+    jobs.train_config(cfg, str(tmp_path), progress=False, report=False, resume=True)
+  assert (tmp_path / "metrics.jsonl").read_text() == log
+
+
 # ---- kills ---------------------------------------------------------------------------------------------
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import warnings
 import zlib
 from typing import Any
@@ -199,6 +200,12 @@ class Checkpointer:
     return self._manager.save(step, force=True, args=ocp.args.Composite(
         state=ocp.args.PyTreeSave(arrays), extra=ocp.args.JsonSave(extra), meta=ocp.args.JsonSave(meta),
         integrity=ocp.args.PyTreeSave(integrity)))
+
+  def quarantined(self) -> list[str]:
+    """The step directories an earlier restore moved aside as unreadable (`<step>.corrupt[.n]`), sorted."""
+    if "://" in self.directory or not os.path.isdir(self.directory):
+      return []
+    return sorted(n for n in os.listdir(self.directory) if re.fullmatch(r"\d+\.corrupt(\.\d+)?", n))
 
   def drop_after(self, step: int) -> list[int]:
     """Deletes every checkpoint newer than `step`; returns their steps, oldest first."""

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gem_jax.train import trainer as trainer_lib
-from gem_jax.train.checkpoint import Checkpointer
+from gem_jax.train.checkpoint import CheckpointCorruptError, Checkpointer
 
 
 class Hook:
@@ -94,6 +94,12 @@ class Checkpoint(Hook):
                                                              keep=self.keep, save_every=self.every)
     latest = ckpt.latest_step()
     if latest is None:
+      moved = ckpt.quarantined()
+      if resume and moved:   # starting over would truncate metrics.jsonl and empty best/
+        raise CheckpointCorruptError(
+            f"{ckpt.directory}: nothing to resume from but {moved}, which an earlier restore moved aside as "
+            "unreadable; not starting over. If that read failed for another reason (memory, a file system "
+            "error), rename them back to their step numbers and resume again; else use another output folder")
       return
     if not resume:
       raise FileExistsError(f"{t.out_dir} already holds checkpoints (last step {latest}): pass --resume to "
