@@ -152,6 +152,23 @@ def test_a_resume_after_every_checkpoint_was_moved_aside_does_not_start_over(tmp
   assert (tmp_path / "metrics.jsonl").read_text() == log
 
 
+def test_the_training_time_limit_counts_the_time_before_a_resume():
+  """train.max_train_minutes is the run's budget, not each process's: the checkpointed hook state carries the
+  training seconds so far, and a resumed process adds its own."""
+  import time
+  import types
+
+  from gem_jax.train.hooks import Evaluate
+  first = Evaluate(every=100, max_minutes=1.0)
+  assert not first.over_time(types.SimpleNamespace(t_first=time.perf_counter() - 20.0, t_start=None))
+  state = json.loads(json.dumps(first.state_dict()))   # as a checkpoint's extra holds it
+  assert 20.0 <= state["train_s"] < 30.0
+  resumed, fresh = Evaluate(every=100, max_minutes=1.0), Evaluate(every=100, max_minutes=1.0)
+  resumed.load_state_dict(state)
+  later = types.SimpleNamespace(t_first=time.perf_counter() - 45.0, t_start=None)
+  assert resumed.over_time(later) and not fresh.over_time(later)
+
+
 # ---- kills ---------------------------------------------------------------------------------------------
 
 

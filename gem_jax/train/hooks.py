@@ -197,7 +197,8 @@ class Evaluate(Hook):
     self.bad, self.history, self.losses = 0, [], []
     self.best_dir = None
     self.replayed = []   # best-parameter steps newer than the restored checkpoint, deleted by restore
-    self.train_s = 0.0
+    self.train_s_before = 0.0   # training seconds of the processes before this one (train.max_train_minutes)
+    self._train_s = 0.0         # this process's, as of its last step
 
   def restore(self, t, resume: bool) -> None:
     if self.select:
@@ -215,8 +216,14 @@ class Evaluate(Hook):
   def drained(self, t, step: int, host: dict) -> None:
     self.losses.append(host["loss"])
 
+  def over_time(self, t) -> bool:
+    """Whether the run's training time, this process's and its earlier processes' (a resumed run), passed
+    train.max_train_minutes."""
+    self._train_s = time.perf_counter() - (t.t_first or t.t_start)
+    return self.max_minutes > 0 and self.train_s_before + self._train_s > 60 * self.max_minutes
+
   def after_step(self, t) -> None:
-    over_time = self.max_minutes > 0 and time.perf_counter() - (t.t_first or t.t_start) > 60 * self.max_minutes
+    over_time = self.over_time(t)
     last = t.step == t.total_steps
     if t.step % self.every and not over_time and not (last and self.select):
       return
@@ -273,11 +280,13 @@ class Evaluate(Hook):
 
   def state_dict(self) -> dict:
     # JSON has no NaN (a task without labels in a small eval set): those metrics are stored by name.
-    return _finite({"best": self.best, "bad": self.bad, "history": self.history, "losses": self.losses})
+    return _finite({"best": self.best, "bad": self.bad, "history": self.history, "losses": self.losses,
+                    "train_s": self.train_s_before + self._train_s})
 
   def load_state_dict(self, state: dict) -> None:
     state = _floats(state)
     self.best, self.bad, self.history, self.losses = state["best"], state["bad"], state["history"], state["losses"]
+    self.train_s_before = state.get("train_s", 0.0)   # checkpoints written before it was kept: 0
 
 
 def _loggable(evaluation: dict, split: str) -> dict:
