@@ -169,6 +169,38 @@ def test_the_training_time_limit_counts_the_time_before_a_resume():
   assert resumed.over_time(later) and not fresh.over_time(later)
 
 
+def test_best_keeps_the_parameters_the_last_two_checkpoints_recorded(tmp_path):
+  """best/ after each checkpoint (Evaluate.state_dict, called as one is saved) holds the best step it records
+  and the one the checkpoint before recorded, and every later best: a run resumed from either (the last one's
+  write may be cut off) finds its best parameters, where one kept entry lost them to a better evaluation after
+  the checkpoint, which the resume then dropped."""
+  from gem_jax.train.checkpoint import Checkpointer
+  from gem_jax.train.hooks import Evaluate
+  e = Evaluate(every=1, select="ne")
+  e.best_dir = Checkpointer(tmp_path / "best", keep=None, save_every=1, async_save=False)
+
+  def best(step):
+    e.best_dir.save(step, {"w": np.full(2, step, np.float32)}, force=True)
+    e.best = {"score": float(step), "step": step}
+
+  best(3)
+  best(6)
+  e.state_dict()                                   # checkpoint 8 records 6
+  assert e.best_dir.all_steps() == [6]
+  best(9)
+  best(11)
+  assert e.best_dir.all_steps() == [6, 9, 11]      # a kill now resumes from 8: 9 and 11 go, 6 is there
+  e.state_dict()                                   # checkpoint 12 records 11; if its write is cut off, 8's 6
+  assert e.best_dir.all_steps() == [6, 9, 11]
+  e.state_dict()                                   # checkpoint 16 records 11, and 12 did too
+  assert e.best_dir.all_steps() == [11]
+  resumed = Evaluate(every=1, select="ne")
+  resumed.load_state_dict(json.loads(json.dumps(e.state_dict())))
+  resumed.best_dir = e.best_dir
+  resumed.state_dict()
+  assert resumed.best_dir.all_steps() == [11]
+
+
 # ---- kills ---------------------------------------------------------------------------------------------
 
 

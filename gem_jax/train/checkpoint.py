@@ -135,15 +135,16 @@ class Fallback:
 
 
 class Checkpointer:
-  """Saves every `save_every` steps (or when forced) and keeps the newest `keep` checkpoints.
+  """Saves every `save_every` steps (or when forced) and keeps the newest `keep` checkpoints (None: every
+  one, until drop_before / drop_after delete some).
 
   Saving is asynchronous: `save` returns once the arrays are copied off the device (so the caller may
   donate or overwrite them) and the write finishes in the background. `wait()` blocks until it is on
   disk; `close()` waits and releases the manager. Also a context manager.
   """
 
-  def __init__(self, directory: str | os.PathLike, *, keep: int, save_every: int, async_save: bool = True):
-    if keep < 1 or save_every < 1:
+  def __init__(self, directory: str | os.PathLike, *, keep: int | None, save_every: int, async_save: bool = True):
+    if (keep is not None and keep < 1) or save_every < 1:
       raise ValueError(f"Checkpointer: keep and save_every must be >= 1, got keep={keep}, save_every={save_every}")
     directory = os.fspath(directory)
     self.directory = directory if "://" in directory else os.path.abspath(directory)
@@ -206,6 +207,13 @@ class Checkpointer:
     if "://" in self.directory or not os.path.isdir(self.directory):
       return []
     return sorted(n for n in os.listdir(self.directory) if re.fullmatch(r"\d+\.corrupt(\.\d+)?", n))
+
+  def drop_before(self, step: int) -> list[int]:
+    """Deletes every checkpoint older than `step`; returns their steps, oldest first."""
+    older = [s for s in self.all_steps() if s < step]
+    for s in older:
+      self._manager.delete(s)
+    return older
 
   def drop_after(self, step: int) -> list[int]:
     """Deletes every checkpoint newer than `step`; returns their steps, oldest first."""

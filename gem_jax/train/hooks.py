@@ -198,11 +198,14 @@ class Evaluate(Hook):
     self.best_dir = None
     self.replayed = []   # best-parameter steps newer than the restored checkpoint, deleted by restore
     self.train_s_before = 0.0   # training seconds of the processes before this one (train.max_train_minutes)
+    self._kept_from = None      # the best step as of the last checkpoint: best/ keeps it and every later one
     self._train_s = 0.0         # this process's, as of its last step
 
   def restore(self, t, resume: bool) -> None:
     if self.select:
-      self.best_dir = Checkpointer(os.path.join(t.out_dir, "best"), keep=1, save_every=1, async_save=False)
+      # Kept until a checkpoint no longer needs them (state_dict): a run resumed from the last checkpoint, or
+      # from the one before if the last one's write was cut off, finds the best parameters it recorded.
+      self.best_dir = Checkpointer(os.path.join(t.out_dir, "best"), keep=None, save_every=1, async_save=False)
 
   def begin(self, t) -> None:
     if self.select:
@@ -279,6 +282,11 @@ class Evaluate(Hook):
     return out
 
   def state_dict(self) -> dict:
+    # Called as a checkpoint is saved, which records the best step now: best/ drops what neither it nor the
+    # checkpoint before (in case this one's write is cut off) can resume to.
+    if self.best_dir is not None and self.best["step"] is not None:
+      self.best_dir.drop_before(self.best["step"] if self._kept_from is None else self._kept_from)
+      self._kept_from = self.best["step"]
     # JSON has no NaN (a task without labels in a small eval set): those metrics are stored by name.
     return _finite({"best": self.best, "bad": self.bad, "history": self.history, "losses": self.losses,
                     "train_s": self.train_s_before + self._train_s})
@@ -287,6 +295,7 @@ class Evaluate(Hook):
     state = _floats(state)
     self.best, self.bad, self.history, self.losses = state["best"], state["bad"], state["history"], state["losses"]
     self.train_s_before = state.get("train_s", 0.0)   # checkpoints written before it was kept: 0
+    self._kept_from = self.best["step"]
 
 
 def _loggable(evaluation: dict, split: str) -> dict:
