@@ -155,6 +155,17 @@ def correctness(ctx: Context) -> None:
   from pallas_kernels.jagged_softmax_attention import reference as softmax_reference
 
   on_gpu = jax.default_backend() == "gpu"
+  # The FP8 GEMM checks first: a few seconds, where the attention cases compile about 60 programs on a GPU.
+  rows = ([("rowwise", "xla"), ("rowwise", "pallas"), ("mxfp8", "pallas")] if not on_gpu else
+          [("rowwise", "xla"), ("rowwise", "pallas"), ("rowwise", "triton"), ("mxfp8", "pallas"),
+           ("mxfp8", "triton")] + ([("mxfp8", "xla")] if fp8_bench.fp8._has_native_mx() else []))
+  shapes = [(40, 96, 48)] if ctx.rehearse else [(72, 96, 40), (33, 136, 65), (1024, 1024, 1024)]
+  for m, k, n in shapes:
+    for recipe, impl in rows:
+      if ctx.left() < 0:
+        ctx.note(f"fp8 {m}x{k}x{n} {recipe}/{impl}: not run, the section's time limit was reached")
+        continue
+      ctx.record(fp8_bench.check_gemm(m, k, n, recipe, impl, np.random.default_rng(0)))
   references = {"hstu": hstu_reference.hstu_attention, "softmax": softmax_reference.jagged_softmax_attention}
   for family in ("hstu", "softmax"):
     cases = [(c, "float32") for c in conformance.CASES[family]] + \
@@ -191,16 +202,6 @@ def correctness(ctx: Context) -> None:
         rec["passed"] = rec["tail_zero"] and all(e <= rec["tolerance"] for e in errors.values())
         ctx.record(rec)
 
-  rows = ([("rowwise", "xla"), ("rowwise", "pallas"), ("mxfp8", "pallas")] if not on_gpu else
-          [("rowwise", "xla"), ("rowwise", "pallas"), ("rowwise", "triton"), ("mxfp8", "pallas"),
-           ("mxfp8", "triton")] + ([("mxfp8", "xla")] if fp8_bench.fp8._has_native_mx() else []))
-  shapes = [(40, 96, 48)] if ctx.rehearse else [(72, 96, 40), (33, 136, 65), (1024, 1024, 1024)]
-  for m, k, n in shapes:
-    for recipe, impl in rows:
-      if ctx.left() < 0:
-        ctx.note(f"fp8 {m}x{k}x{n} {recipe}/{impl}: not run, the section's time limit was reached")
-        continue
-      ctx.record(fp8_bench.check_gemm(m, k, n, recipe, impl, np.random.default_rng(0)))
   if not on_gpu:
     ctx.note("FP8 Triton GEMMs run only on GPU (Triton's interpreter checks them in tests/test_fp8_gemm_triton.py)")
   failed = [r for r in ctx.data["records"] if not r["passed"] and not r.get("skipped")]
@@ -273,7 +274,9 @@ def base_train_step(ctx: Context) -> None:
 
   from gem_jax import configs
   from gem_jax.config import apply_overrides
-  from gem_jax.train.jobs import train_config
+  from gem_jax.run.build import build
+  from gem_jax.train import hooks as hooks_lib, trainer
+  from gem_jax.train.jobs import standard_hooks
 
   on_gpu = jax.default_backend() == "gpu"
   name = "base" if on_gpu else "tiny"
@@ -305,12 +308,17 @@ def base_train_step(ctx: Context) -> None:
       out = os.path.join(os.path.dirname(ctx.path), f"train_{name}_{policy}_{attn_impl}")
       shutil.rmtree(out, ignore_errors=True)
       try:
-        summary = train_config(cfg, out, progress=False, report=True)
+        # No checkpoint hook: the last step's checkpoint of base's state (about 8 GB with the tables'
+        # optimizer state) would cost each policy seconds of the section and the disk its space.
+        run = build(cfg)
+        summary = trainer.train(run, out, [h for h in standard_hooks(run, progress=False, report=True)
+                                           if not isinstance(h, hooks_lib.Checkpoint)])
       except Exception as e:
         rec["error"] = f"attn_impl={attn_impl}: {type(e).__name__}: {str(e)[:400]}"
         continue
       with open(os.path.join(out, "report.json")) as f:
         rep = json.load(f)
+      shutil.rmtree(os.path.join(out, "profile"), ignore_errors=True)   # the trace; report.json stays
       mem = rep.get("memory_bytes_per_device") or {}
       rec.update(attn_impl=attn_impl, step_time_s=rep.get("step_time_s"), examples_per_s=rep.get("examples_per_s"),
                  mfu=rep.get("mfu"), hfu=rep.get("hfu"), padding_waste=rep.get("padding_waste"),
