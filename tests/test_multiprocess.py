@@ -94,11 +94,16 @@ def test_two_processes_train_what_one_process_trains(tmp_path, tiny_cpu8_run):
   port = _free_port()
   multi = ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--local-devices", "4",
            "--data", str(files)]
-  _wait_all([_launch(two, tmp_path / f"two_p{i}.log", *multi, "--process-id", str(i), "--no-report")
-             for i in (0, 1)])
+  _wait_all([_launch(two, tmp_path / f"two_p{i}.log", *multi, "--process-id", str(i)) for i in (0, 1)])
   check_run_report(one, num_devices=8, log=one_log)
   assert json.loads((one / "report.json").read_text())["embedding_update"]["tables"]  # CPU8_SETS: sparse engine
-  assert not (two / "report.json").exists()
+  # Process 0's report counts the whole step's rows (each process reads its own half): the same model FLOPs
+  # and sequence lengths as one process reading them all, over the same 8 devices' peak.
+  r_two, r_one = (json.loads((d / "report.json").read_text()) for d in (two, one))
+  assert r_two["model_tflops_per_step"] == pytest.approx(r_one["model_tflops_per_step"], rel=1e-9)
+  s_two, s_one = (json.loads((d / "summary.json").read_text()) for d in (two, one))
+  for key in ("mean_sequence_length", "model_flops_per_example"):
+    assert s_two[key] == pytest.approx(s_one[key], rel=1e-9), key
 
   got, want = _records(two), _records(one)
   loss = lambda records: {r["step"]: r["loss"] for r in records if "loss" in r}

@@ -105,8 +105,8 @@ class RunMeter:
 
   def batch(self, step: int, batch) -> None:
     """Host numbers of the step's (global, host) batch; call right before dispatching it."""
-    real = self.run.source.lengths(batch)
-    every_row = self.run.source.lengths(batch, real=False)
+    real = self.run.lengths(batch)
+    every_row = self.run.lengths(batch, real=False)
     model = self.flop_model.train(real)
     tiled = self.flop_model.tiled_train(every_row) if self.tiled else 0.0
     imb = None

@@ -67,6 +67,8 @@ class Run:
   tables: host_tables_lib.HostTables | None = None   # train.host_tables (gem_jax/run/host_tables.py)
   _exchange: host_exchange.Exchange = dataclasses.field(default_factory=lambda: host_exchange.Exchange("feed"),
                                                         repr=False)
+  # (the Part, real row lengths, every row's lengths) of the last step feed exchanged: the whole step's rows
+  _step_lengths: tuple | None = dataclasses.field(default=None, repr=False)
 
   @property
   def num_devices(self) -> int:
@@ -129,16 +131,33 @@ class Run:
     for b in host_batch.batches:
       for k, v in self.task.count(b).items():
         counts[k] = counts.get(k, 0) + np.asarray(v)
+    # Each reader's row lengths and example mask, for the meter on process 0 (lengths): the whole step's rows.
+    rows = [[int(r), self.source.lengths(b, real=False).tolist(), np.asarray(b.example_mask_B).tolist()]
+            for r, b in zip(host_batch.readers, host_batch.batches)]
 
     def agree(fullest: int) -> int:
-      every = self._exchange.all({"tokens": fullest, "counts": {k: v.tolist() for k, v in counts.items()}})
+      every = self._exchange.all({"tokens": fullest, "counts": {k: v.tolist() for k, v in counts.items()},
+                                  "rows": rows})
       for k in counts:
         counts[k] = sum(np.asarray(e["counts"][k], counts[k].dtype) for e in every)
+      pieces = sorted((p for e in every for p in e["rows"]), key=lambda p: p[0])   # reader order = shard order
+      lengths = np.concatenate([np.asarray(p[1], np.int64) for p in pieces])
+      mask = np.concatenate([np.asarray(p[2]) for p in pieces])
+      self._step_lengths = (host_batch, lengths[mask > 0], lengths)
       return max(e["tokens"] for e in every)
 
     src = self.source
     sharded, ids = shards.shard_part(host_batch, src.spec, src.pipe, self.data_shards, agree)
     return shards.place(sharded, self.mesh, DATA_AXES, ids, self.data_shards), counts
+
+  def lengths(self, host_batch, real: bool = True) -> np.ndarray:
+    """Row lengths of a training batch (real rows only, or every row): for a Part, which holds this process's
+    readers' rows, those of the whole step, as feed exchanged them (the meter's FLOPs and examples are the
+    step's, over the whole mesh's peak)."""
+    held = self._step_lengths
+    if held is not None and held[0] is host_batch:
+      return held[1] if real else held[2]
+    return self.source.lengths(host_batch, real)
 
   def input_counters(self) -> dict[str, int]:
     """What the source's tolerating input policies did, summed over the processes that read disjoint rows."""

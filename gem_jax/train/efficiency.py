@@ -58,7 +58,7 @@ class Meter(Hook):
   def before_dispatch(self, t, host_batch) -> None:
     if self.meter is not None:
       self.meter.batch(t.step, host_batch)
-      lengths = t.run.source.lengths(host_batch)
+      lengths = t.run.lengths(host_batch)
       self.examples += lengths.size
       self.tokens += int(lengths.sum())
       self.model_flops += self.meter.steps[t.step].model_flops / flops.TRAIN_FLOPS_FACTOR
