@@ -81,7 +81,8 @@ def _fake_ml100k(root, users=("1|24|M|technician|85711", "2|53|F|other|94043"), 
   (folder / "u.occupation").write_text("technician\nother\n")
   (folder / "u.user").write_text("\n".join(users) + "\n")
   flags = "|".join(["0"] * 18 + ["1"])
-  (folder / "u.item").write_text(f"1|A (1995)|01-Jan-1995||http://a|{flags}\n2|B (1996)|01-Jan-1996||http://b|{flags}\n")
+  (folder / "u.item").write_text(f"1|A (1995)|01-Jan-1995||http://a|{flags}\n"
+                                 f"2|B (1996)|01-Jan-1996||http://b|{flags}\n")
   (folder / "u.data").write_text(data or "1\t1\t5\t874965758\n1\t2\t3\t874965759\n2\t1\t4\t874965760\n")
   return root
 

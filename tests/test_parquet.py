@@ -178,8 +178,10 @@ CASES = {
     "uint64 id above 2^63": (lambda t: _set(t, "ad_id", [2**63 + 5 if i == 7 else x for i, x in
                                                         enumerate(_col(t, "ad_id"))], pa.uint64()),
                              None, r"row 7: column 'ad_id': id 9223372036854775813 is outside table 'ad_id'"),
-    "planted logit as text": (lambda t: _set(t, "planted_logit_click", [str(x) for x in _col(t, "planted_logit_click")]),
-                              None, r"column 'planted_logit_click' \(the planted logit of task 'click'\) must hold numbers"),
+    "planted logit as text": (lambda t: _set(t, "planted_logit_click",
+                                             [str(x) for x in _col(t, "planted_logit_click")]),
+                              None,
+                              r"column 'planted_logit_click' \(the planted logit of task 'click'\) must hold numbers"),
     "infinite planted logit": (lambda t: _set(t, "planted_logit_click", [float("inf") if i == 4 else x for i, x in
                                                                          enumerate(_col(t, "planted_logit_click"))]),
                                None, r"row 4: column 'planted_logit_click': planted logit inf is not finite"),
