@@ -16,13 +16,14 @@ def _mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = Fals
   for key_node, _ in node.value:
     key = loader.construct_object(key_node, deep=True)
     try:
-      line = first_line.setdefault(key, key_node.start_mark.line)
+      seen = key in first_line
     except TypeError:   # an unhashable key: SafeLoader's own error says so below
       continue
-    if line != key_node.start_mark.line:
+    if seen:   # on another line, or twice in one flow mapping ({a: 1, a: 2})
       raise yaml.constructor.ConstructorError(
           "while reading a mapping", node.start_mark,
-          f"found key {key!r} a second time (first given at line {line + 1})", key_node.start_mark)
+          f"found key {key!r} a second time (first given at line {first_line[key] + 1})", key_node.start_mark)
+    first_line[key] = key_node.start_mark.line
   return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 
 

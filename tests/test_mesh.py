@@ -133,3 +133,6 @@ def test_rules_override_and_unreadable_files(tmp_path):
   with pytest.raises(MeshFileError, match=r"(?s)twice.yaml: not valid YAML: .*key 'sparse' a second time \(first given "
                      r"at line 2\)"):
     mesh_lib.load(tmp_path / "twice.yaml")
+  (tmp_path / "twice.yaml").write_text("axes: {sparse: 2, sparse: 4}\n")
+  with pytest.raises(MeshFileError, match=r"key 'sparse' a second time \(first given at line 1\)"):
+    mesh_lib.load(tmp_path / "twice.yaml")

@@ -238,14 +238,10 @@ class Optimizer:
     return found
 
   @staticmethod
-  def has_average(state) -> bool:
-    """Whether the optimizer state keeps a moving average of the dense parameters (train.ema_decay)."""
-    return bool(Optimizer._averages(state))
-
-  @staticmethod
   def average_state(state):
-    """The part of the optimizer state that holds the moving average (an AverageState, which `averaged`
-    reads as well as the whole state), or None: what a copy of the averaged parameters needs to copy."""
+    """The part of the optimizer state that holds the moving average of the dense parameters (an
+    AverageState, which `averaged` reads as well as the whole state), or None without train.ema_decay: what a
+    copy of the averaged parameters needs to copy."""
     found = Optimizer._averages(state)
     return found[0] if found else None
 

@@ -210,17 +210,16 @@ class Checkpointer:
 
   def drop_before(self, step: int) -> list[int]:
     """Deletes every checkpoint older than `step`; returns their steps, oldest first."""
-    older = [s for s in self.all_steps() if s < step]
-    for s in older:
-      self._manager.delete(s)
-    return older
+    return self._delete([s for s in self.all_steps() if s < step])
 
   def drop_after(self, step: int) -> list[int]:
     """Deletes every checkpoint newer than `step`; returns their steps, oldest first."""
-    newer = [s for s in self.all_steps() if s > step]
-    for s in newer:
+    return self._delete([s for s in self.all_steps() if s > step])
+
+  def _delete(self, steps: list[int]) -> list[int]:
+    for s in steps:
       self._manager.delete(s)
-    return newer
+    return steps
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
