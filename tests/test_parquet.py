@@ -283,6 +283,24 @@ def test_resume_from_a_checkpoint_in_the_middle_of_a_file_repeats_the_losses(exp
   assert losses(part) == losses(full) and sorted(losses(full)) == list(range(1, 9))
 
 
+def test_a_folder_with_parquet_files_in_subfolders_is_refused_and_a_recursive_glob_reads_them(exported, tmp_path):
+  """A partitioned folder (files one level down, next to one at its top) would lose the subfolders' rows if
+  read as a folder: refused, naming the first such file; `DIR/**/*.parquet` names every file, each once."""
+  train = sorted(os.listdir(os.path.join(exported, "train")))
+  part = tmp_path / "train"
+  (part / "day=1").mkdir(parents=True)
+  shutil.copy(os.path.join(exported, "train", train[0]), part / train[0])
+  for name in train[1:]:
+    shutil.copy(os.path.join(exported, "train", name), part / "day=1" / name)
+  with pytest.raises(ValueError, match=rf"holds {len(train) - 1} Parquet file\(s\) in subfolders \(first: "
+                                       rf"'day=1/{train[1]}'\).*\*\*"):
+    parquet_source.list_files(str(part))
+  every = parquet_source.list_files(str(part / "**" / "*.parquet"))
+  assert sorted(map(os.path.basename, every)) == train and len(set(every)) == len(train)
+  with pytest.raises(FileNotFoundError, match="no Parquet files at"):
+    parquet_source.list_files(str(tmp_path / "nothing" / "*.parquet"))
+
+
 def test_the_readmes_spec_file_example_parses():
   text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
   start = text.index("```yaml\ntables:") + len("```yaml\n")

@@ -93,8 +93,20 @@ def _load_spec(path: str) -> spec_file.SpecFile:
 
 
 def list_files(where: str) -> list[str]:
-  """The Parquet files of a folder (*.parquet inside it) or a glob, sorted; raises when there are none."""
-  files = sorted(glob.glob(os.path.join(where, "*.parquet")) if os.path.isdir(where) else glob.glob(where))
+  """The Parquet files of a folder (*.parquet directly inside it) or a glob (`**` reaches into subfolders),
+  sorted; raises when there are none, and when a folder also holds Parquet files in subfolders (a partitioned
+  dataset, say), which reading its top alone would leave out without a word."""
+  if not os.path.isdir(where):
+    files = sorted(f for f in glob.glob(where, recursive=True) if os.path.isfile(f))
+    if not files:
+      raise FileNotFoundError(f"data: no Parquet files at {where!r}")
+    return files
+  files = sorted(glob.glob(os.path.join(where, "*.parquet")))
+  deeper = sorted(f for f in glob.glob(os.path.join(where, "*", "**", "*.parquet"), recursive=True))
+  if deeper:
+    raise ValueError(f"data: {where!r} holds {len(deeper)} Parquet file(s) in subfolders (first: "
+                     f"{os.path.relpath(deeper[0], where)!r}), which a folder does not read; name every file to "
+                     f"read with a glob, e.g. {os.path.join(where, '**', '*.parquet')!r}")
   if not files:
     raise FileNotFoundError(f"data: no Parquet files at {where!r}")
   return files
