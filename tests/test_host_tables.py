@@ -66,6 +66,55 @@ def test_a_slot_a_staged_batch_reads_is_never_given_up_and_a_batch_too_big_names
   assert set(evicted) <= {1, 2, 3} and len(evicted) == 2
 
 
+def _cache_state(c: RowCache):
+  arrays = [c.slot_of, c.row_at, c.last_read, c.pins] + ([c.reads] if c.reads is not None else [])
+  return [a.copy() for a in arrays], (c.clock, c.hits, c.misses, c.evictions)
+
+
+def _same_cache_state(a, b) -> bool:
+  return all((x == y).all() for x, y in zip(a[0], b[0])) and a[1] == b[1]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_plan_taken_back_leaves_the_cache_as_it_was_and_a_failed_one_changes_nothing(policy):
+  c, twin = RowCache(num_rows=100, slots=4, policy=policy), RowCache(num_rows=100, slots=4, policy=policy)
+  for rows in ([1, 2, 3], [2, 4], [5, 1]):
+    for cache in (c, twin):
+      cache.unpin(cache.plan(np.array(rows))[0])
+  before = _cache_state(c)
+  _, _, filled, evicted = c.plan(np.array([1, 7, 8]))   # two misses, each evicting a row
+  assert list(filled) == [7, 8] and (evicted >= 0).all()
+  c.rollback()
+  assert _same_cache_state(_cache_state(c), before)
+  got, want = c.plan(np.array([9, 2])), twin.plan(np.array([9, 2]))
+  assert [list(x) for x in got] == [list(x) for x in want]
+  c.unpin(got[0])
+  staged = c.plan(np.array([10, 11, 12, 13]))[0]
+  before = _cache_state(c)
+  with pytest.raises(CacheTooSmall):
+    c.plan(np.array([14]))
+  assert _same_cache_state(_cache_state(c), before)
+  c.unpin(staged)
+
+
+def test_a_table_whose_second_owner_shard_does_not_fit_takes_back_the_first_ones_plan():
+  """Owner 0 fits (filling and evicting), owner 1 does not: owner 0's cache is as before, and the pending
+  row-0 fill still goes out with the next plan that fits."""
+  from gem_jax.run.host_tables import HostTable
+  table = HostTable("t", [np.zeros((200, 2), np.float32)], owners=2, slots_per_owner=3, policy="lru")
+  table.unpin(table.plan(np.array([1, 2, 101]))[2])
+  before = [_cache_state(c) for c in table.caches]
+  with pytest.raises(CacheTooSmall, match="host table 't', owner shard 1"):
+    table.plan(np.array([3, 4, 102, 103, 104, 105]))
+  assert all(_same_cache_state(_cache_state(c), b) for c, b in zip(table.caches, before))
+  _, fill, _ = table.plan(np.array([3, 102]))
+  assert 0 not in fill.rows                       # row 0 went out with the first plan
+  fresh = HostTable("t", [np.zeros((200, 2), np.float32)], owners=2, slots_per_owner=3, policy="lru")
+  with pytest.raises(CacheTooSmall):
+    fresh.plan(np.array([1, 101, 102, 103, 104]))
+  assert 0 in fresh.plan(np.array([1]))[1].rows   # a failed first plan leaves row 0's fill pending
+
+
 # ---- a run's batches ----------------------------------------------------------------------------------------
 
 def _config(*sets, ads: int = 100_000):
@@ -304,11 +353,16 @@ def test_tables_larger_than_the_host_are_refused_before_anything_is_allocated():
 
 
 def test_a_cache_too_small_for_one_batch_says_which_table_and_how_many_rows():
-  run = build(_config(HOST, "train.host_cache_rows=64"))
+  run = build(_config('train.host_tables=["user_id","ad_id"]', "train.host_cache_rows=64"))
+  assert list(run.tables.tables) == ["user_id", "ad_id"]   # user_id's plan fits, then ad_id's fails
+  before = {name: [_cache_state(c) for c in t.caches] for name, t in run.tables.tables.items()}
   with pytest.raises(CacheTooSmall, match=r"host table 'ad_id', owner shard 0: \d+ rows missed and only 63 of 64"):
     run.feed(run.source.first_batch())
   pins = run.tables.tables["ad_id"].caches[0].pins
   assert not run.tables.staged and pins[0] == 1 and pins.sum() == 1   # only row 0's hold
+  for name, t in run.tables.tables.items():   # every table's plan taken back, its row-0 fill still pending
+    assert all(_same_cache_state(_cache_state(c), b) for c, b in zip(t.caches, before[name])), name
+    assert t._row_zero is not None, name
 
 
 def test_the_compiled_step_holds_the_cache_not_the_table():

@@ -80,25 +80,28 @@ class RowCache:
     self.pins = np.zeros(slots, np.int64)            # staged batches reading each slot
     self.clock = 0
     self.hits = self.misses = self.evictions = 0
+    self._undo = None
 
   def plan(self, rows_U: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Slots for the distinct rows `rows_U` of one batch, pinned until `unpin(slots)`.
     -> (slots_U, fill_slots_K, fill_rows_K, evicted_K): the misses' slots and rows, and the row each of those
-    slots held before (-1: it was empty), whose value the caller must write back."""
+    slots held before (-1: it was empty), whose value the caller must write back. A batch that does not fit
+    raises CacheTooSmall and changes nothing; `rollback()` takes back the last plan that did fit."""
     rows_U = np.asarray(rows_U, np.int64)
-    self.clock += 1
     slots_U = self.slot_of[rows_U]
     miss = slots_U < 0
     k = int(miss.sum())
+    pinned = slots_U[~miss]
+    self.pins[pinned] += 1
+    free = self.pins == 0
+    if k and int(free.sum()) < k:
+      self.pins[pinned] -= 1
+      raise CacheTooSmall(f"{k} rows missed and only {int(free.sum())} of {self.slots} slots are free of the "
+                          f"staged batches' rows ({len(rows_U)} distinct rows in this batch)")
+    self.clock += 1
     self.hits += len(rows_U) - k
     self.misses += k
-    self.pins[slots_U[~miss]] += 1
     if k:
-      free = self.pins == 0
-      if int(free.sum()) < k:
-        self.pins[slots_U[~miss]] -= 1
-        raise CacheTooSmall(f"{k} rows missed and only {int(free.sum())} of {self.slots} slots are free of the "
-                            f"staged batches' rows ({len(rows_U)} distinct rows in this batch)")
       order = self._victims(free, k)
       evicted = self.row_at[order].copy()
       held = evicted >= 0
@@ -110,10 +113,30 @@ class RowCache:
       self.pins[order] += 1
     else:
       order = evicted = np.zeros(0, np.int64)
+    self._undo = (rows_U, slots_U.copy(), order, rows_U[miss], evicted, self.last_read[slots_U].copy())
     self.last_read[slots_U] = self.clock
     if self.reads is not None:
       self.reads[rows_U] += 1
     return slots_U, order, rows_U[miss], evicted
+
+  def rollback(self) -> None:
+    """Undo the last plan (its slots, evictions, pins and counters), which must be the last change made here:
+    for a batch whose plan failed in another owner shard or table, so that no row stays marked cached in a
+    slot whose fill never went out and no evicted row's value goes unwritten."""
+    rows_U, slots_U, order, filled, evicted, last_read = self._undo
+    self._undo = None
+    if self.reads is not None:
+      self.reads[rows_U] -= 1
+    self.last_read[slots_U] = last_read
+    self.pins[slots_U] -= 1
+    self.slot_of[filled] = -1
+    self.row_at[order] = evicted
+    held = evicted >= 0
+    self.slot_of[evicted[held]] = order[held]
+    self.evictions -= int(held.sum())
+    self.hits -= len(rows_U) - len(filled)
+    self.misses -= len(filled)
+    self.clock -= 1
 
   def _victims(self, free: np.ndarray, k: int) -> np.ndarray:
     """The k best victims among the free slots (empty ones first: they were never read), in O(slots)."""
@@ -166,6 +189,7 @@ class HostTable:
     cache = self.caches[0]
     cache.row_at[0], cache.slot_of[0], cache.pins[0] = 0, 0, 1
     self._row_zero = Fill(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, -1, np.int64))
+    self._row_zero_sent = None
 
   @property
   def cache_rows(self) -> int:
@@ -190,7 +214,7 @@ class HostTable:
       try:
         s, fs, fr, ev = self.caches[o].plan(rows_U[mine] - o * self.per_owner)
       except CacheTooSmall as e:
-        self.unpin(pins)
+        self.rollback(pins)
         raise CacheTooSmall(f"host table {self.name!r}, owner shard {o}: {e}; its cache has "
                             f"{self.slots_per_owner} slots per owner shard (train.host_cache_rows / "
                             "host_cache_fraction)") from None
@@ -198,6 +222,7 @@ class HostTable:
       base, first = o * self.slots_per_owner, o * self.per_owner
       slots_U[mine] = base + s
       fills.append((base + fs, first + fr, np.where(ev >= 0, first + ev, -1)))
+    self._row_zero_sent = self._row_zero
     if self._row_zero is not None:
       z, self._row_zero = self._row_zero, None
       fills.insert(0, (z.slots, z.rows, z.evicted))
@@ -207,6 +232,14 @@ class HostTable:
   def unpin(self, pins: list) -> None:
     for o, s in pins:
       self.caches[o].unpin(s)
+
+  def rollback(self, pins: list, whole: bool = False) -> None:
+    """Undo the owner shards' plans named by `pins` (the last plan of each; `whole`: the table's last plan
+    finished, so its row-0 fill is taken back too)."""
+    for o, _ in reversed(pins):
+      self.caches[o].rollback()
+    if whole and self._row_zero_sent is not None:
+      self._row_zero, self._row_zero_sent = self._row_zero_sent, None
 
   def cached(self) -> tuple[np.ndarray, np.ndarray]:
     """(global slots, rows) of every row whose values are in the cache. Slot 0 is row 0's from the start,
@@ -382,9 +415,9 @@ class HostTables:
 
     try:
       out = self._rewrite(sharded, plan)
-    except Exception:
-      for name, ps in pins.items():
-        self.tables[name].unpin(ps)
+    except Exception:   # the tables planned before the one that failed take their plans back
+      for name, ps in reversed(list(pins.items())):
+        self.tables[name].rollback(ps, whole=True)
       raise
     self.staged.append(_Staged(fills, pins))
     return out
