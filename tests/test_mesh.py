@@ -110,6 +110,8 @@ def broken(edit):
     (lambda d: d.update(rules={"table_rows": ["sparse", "sparse"]}), r"rules.table_rows: \['sparse', 'sparse'\] "
                                                                       "names a mesh axis twice"),
     (lambda d: d.update(rules={"batch": ["fsdp"]}), "rules.batch: the SPMD step always splits batch over the data"),
+    (lambda d: d.update(rules={"table_rows": ["sparse", "tensor"]}), r"rules.table_rows: \['tensor'\] hold copies"),
+    (lambda d: d.update(rules={"table_rows": "context"}), r"rules.table_rows: \['context'\] hold copies"),
     (lambda d: d["axes"].update(fsdp="2"), "axes.fsdp must be a positive integer, got '2'"),
     (lambda d: d["axes"].update(fsdp=2.0), "axes.fsdp must be a positive integer, got 2.0"),
     (lambda d: d.update(name=None), "name must be a non-empty string, got None"),

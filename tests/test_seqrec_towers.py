@@ -254,6 +254,10 @@ def test_training_through_validation_reads_the_test_split_once_after_fixed_epoch
   evaluated during training, nothing selects, and the test split is read after the last step."""
   with pytest.raises(ValueError, match=r"train.epochs=20, train.select_metric='NDCG@10', train.eval_every_epochs=5"):
     seqrec_source.SeqRecSource(_toy_cfg(tmp_path, "data.train_through_valid=true"))
+  with pytest.raises(ValueError, match=r"\(got train.epochs=4, train.max_train_minutes=30.0\)"):
+    seqrec_source.SeqRecSource(_toy_cfg(tmp_path, "data.train_through_valid=true", "train.epochs=4",
+                                        "train.select_metric=", "train.eval_every_epochs=0",
+                                        "train.max_train_minutes=30"))
   events = []
   real_next, real_eval = seqrec_source._Epochs.__next__, seqrec_source.SeqRecSource.eval_batches
 
@@ -372,6 +376,25 @@ def test_seeds_train_apart_and_a_finished_seed_is_read_not_retrained(tmp_path):
   assert "| seed-1 | " in seqrec_results.markdown(rows)
   with pytest.raises(FileNotFoundError, match="no results.json"):
     seqrec_results.ablation_rows([str(tmp_path)])
+  # A run stopped off an epoch boundary (a time limit): the kept epoch is its evaluation's own, 20, where
+  # steps / last epoch (1234 / 25) would give 960 / 49.4 = 19.
+  stopped = json.loads((out / "seed-1" / "results.json").read_text())
+  stopped.update(steps=1234, best_step=960, history=[{**stopped["history"][-1], "eval_step": 960, "epoch": 20},
+                                                     {**stopped["history"][-1], "eval_step": 1234, "epoch": 25}])
+  (tmp_path / "stopped").mkdir()
+  (tmp_path / "stopped" / "results.json").write_text(json.dumps(stopped))
+  row, = seqrec_results.ablation_rows([str(tmp_path / "stopped")])
+  assert (row["epochs"], row["kept_epoch"]) == (25, 20)
+
+
+def test_a_dataset_with_no_training_pair_is_refused_when_the_source_is_built(tmp_path):
+  """Every user with 3 interactions: leave-one-out leaves each one training item, no (input, next item) pair,
+  so an epoch would be empty (and a run would train on nothing, or fail elsewhere with another reason)."""
+  root = tmp_path / "three"
+  (root / "ml-100k").mkdir(parents=True)
+  (root / "ml-100k" / "u.data").write_text("".join(f"{u}\t{u + t}\t4\t{t}\n" for u in range(1, 9) for t in range(3)))
+  with pytest.raises(ValueError, match="no user of 'ml-100k' has two training items.*at least 4 interactions"):
+    seqrec_source.SeqRecSource(_toy_cfg(tmp_path, f"data.data_dir={root}"))
 
 
 def test_history_exclusion_can_be_switched_off_to_measure_it(tmp_path):

@@ -172,11 +172,12 @@ class _Epochs:
 def _check_fixed_epochs(train) -> None:
   """data.train_through_valid: no evaluation before the end and no selection (the source has no monitor
   split, so a periodic evaluation asked for would silently not happen)."""
-  wrong = {k: getattr(train, k) for k in ("select_metric", "patience", "eval_every_epochs") if getattr(train, k)}
+  wrong = {k: getattr(train, k) for k in ("select_metric", "patience", "eval_every_epochs", "max_train_minutes")
+           if getattr(train, k)}
   if wrong or not train.epochs:
     raise ValueError("data.train_through_valid=true trains on the validation item, so the test split is read once "
-                     "after a fixed number of epochs: set train.epochs and leave train.select_metric, patience "
-                     "and eval_every_epochs unset (got "
+                     "after a fixed number of epochs: set train.epochs and leave train.select_metric, patience, "
+                     "eval_every_epochs and max_train_minutes (a time limit would end it at another epoch) unset (got "
                      + ", ".join(f"train.{k}={v!r}" for k, v in {"epochs": train.epochs, **wrong}.items()) + ")")
 
 
@@ -197,6 +198,10 @@ class SeqRecSource:
     self.monitor_split = None if through else "valid"
     self.dataset = data.load(self.config.dataset, self.config.data_dir)
     self.split = data.leave_one_out(self.dataset, through_valid=through)
+    if not any(t.shape[0] >= 2 for t in self.split.train):
+      raise ValueError(f"seqrec: no user of {self.config.dataset!r} has two training items (an input and its next "
+                       f"item), so there is nothing to train on; leave-one-out holds back each user's last "
+                       f"{1 if through else 2}, so a user needs at least {3 if through else 4} interactions")
     self.num_items = self.dataset.num_items
     self._eval: dict[str, list] = {}
 

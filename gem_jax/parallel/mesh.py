@@ -136,6 +136,11 @@ def _rules(data, source: str) -> Rules:
     if len(set(targets)) != len(targets):
       raise MeshFileError(f"{source}: rules.{logical}: {targets} names a mesh axis twice (a sharding uses each "
                           "axis at most once)")
+    if logical == "table_rows" and set(targets) - set(DATA_AXES):
+      raise MeshFileError(f"{source}: rules.table_rows: {sorted(set(targets) - set(DATA_AXES))} hold copies of every "
+                          f"lookup (the sparse engine sums row gradients over them before sending rows to their "
+                          f"owners, so owners along them would count each gradient once per copy); table rows "
+                          f"shard over the data axes {DATA_AXES} only")
     rules[logical] = None if not targets else targets[0] if len(targets) == 1 else tuple(targets)
   return tuple(rules.items())
 

@@ -101,8 +101,8 @@ def ablation_rows(run_dirs: list[str], metrics=SEED_METRICS) -> list[dict]:
     tower = towers.get(res["config"]["name"], "hstu")
     preset_cfg = configs.seqrec(dataset, tower=tower)
     preset = json.loads(json.dumps(dataclasses.asdict(preset_cfg), default=str))
-    per_epoch = res["steps"] / max(res["history"][-1].get("epoch", 1), 1) if res["history"] else None
-    kept_epoch = round(res["best_step"] / per_epoch) if per_epoch and res["best_step"] else None
+    kept = [h["epoch"] for h in res["history"] if h.get("eval_step") == res["best_step"] and "epoch" in h]
+    kept_epoch = kept[0] if kept else None   # the epoch of the kept evaluation, as it was recorded
     epochs = res["history"][-1].get("epoch") if res["history"] else None
     if res.get("valid") is None:  # trained through validation: no evaluation before the fixed last epoch
       epochs = kept_epoch = res["config"]["train"]["epochs"]
