@@ -4,6 +4,7 @@ only after training, and the seed summary of experiments/seqrec.py --seeds."""
 
 import dataclasses
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -385,6 +386,13 @@ def test_seeds_train_apart_and_a_finished_seed_is_read_not_retrained(tmp_path):
   (tmp_path / "stopped" / "results.json").write_text(json.dumps(stopped))
   row, = seqrec_results.ablation_rows([str(tmp_path / "stopped")])
   assert (row["epochs"], row["kept_epoch"]) == (25, 20)
+  # Each seed records the file it read; a finished seed of another file (here one line more) is refused.
+  assert per_seed[0]["stats"]["file"] == os.path.join("ml-100k", "u.data") and len(per_seed[0]["stats"]["sha256"]) == 64
+  u_data = tmp_path / "ml-100k" / "u.data"
+  u_data.write_text(u_data.read_text() + "1\t30\t4\t999\n")
+  with pytest.raises(ValueError, match=r"seed-0/results.json was trained on ml-100k/u.data \(sha256 \w{12}\), but "
+                                       r"this run would read ml-100k/u.data \(sha256 \w{12}\)"):
+    jobs.train_next_item_seeds(cfg, str(out), [0], report=False)
 
 
 def test_a_dataset_with_no_training_pair_is_refused_when_the_source_is_built(tmp_path):

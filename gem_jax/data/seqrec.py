@@ -58,12 +58,15 @@ class SeqDataset:
   """Chronological item sequences of every user, item ids remapped to 1..num_items (0 = padding).
 
   sequences[u]: int32 array of user u's items in order; user_ids[u]: the user's id in the file;
-  item_ids[i - 1]: the file's id of remapped item i.
+  item_ids[i - 1]: the file's id of remapped item i. file, sha256: which file was read (`load` sets them), so
+  that a result says which of a dataset's files it came from (ML-1M's two order ties differently).
   """
   name: str
   sequences: list[np.ndarray]
   user_ids: np.ndarray
   item_ids: np.ndarray
+  file: str = ""
+  sha256: str = ""
 
   @property
   def num_items(self) -> int:
@@ -209,7 +212,16 @@ def load(name: str, data_dir: str) -> SeqDataset:
     wanted = " or ".join(os.path.join(data_dir, rel) for rel, _ in DATASETS[name].paths)
     raise FileNotFoundError(f"dataset {name!r} not found: looked for {wanted}")
   path, loader = found
-  return loader(path, name)
+  return dataclasses.replace(loader(path, name), file=os.path.relpath(path, data_dir), sha256=file_sha256(path))
+
+
+def file_sha256(path: str) -> str:
+  import hashlib
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()
 
 
 # ---- leave-one-out split ----------------------------------------------------------------------------

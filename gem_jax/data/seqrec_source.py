@@ -286,4 +286,5 @@ class SeqRecSource:
 
   def describe(self) -> dict:
     ds = self.dataset
-    return {"dataset": ds.name, "users": ds.num_users, "items": ds.num_items, "interactions": ds.num_interactions}
+    return {"dataset": ds.name, "users": ds.num_users, "items": ds.num_items, "interactions": ds.num_interactions,
+            "file": ds.file, "sha256": ds.sha256}

@@ -132,7 +132,7 @@ def train_next_item(cfg, out_dir: str, *, resume: bool = False, report: bool = T
   selected = summary.get("selected", {})
   results = {
       "dataset": summary["stats"]["dataset"],
-      "stats": {k: summary["stats"][k] for k in ("users", "items", "interactions")},
+      "stats": {k: summary["stats"][k] for k in ("users", "items", "interactions", "file", "sha256")},
       "config": dataclasses.asdict(cfg),
       "parameters": summary["params"]["sparse"] + summary["params"]["dense"],
       "best_step": selected.get("step"), "stop_reason": summary["stop_reason"], "steps": summary["steps"],
@@ -152,6 +152,20 @@ def train_next_item(cfg, out_dir: str, *, resume: bool = False, report: bool = T
       + " ".join(f"{k} {v:.4f}" for k, v in results["test"].items()) + f"; wall {summary['wall_s']:.0f}s")
   return results
 
+
+
+def _check_same_file(done: str, stats: dict, data) -> None:
+  """A finished seed must have read the file this run would read (a results.json from before files were
+  recorded passes): ML-1M's ratings.dat, when present, replaces the sequence file and orders ties otherwise."""
+  from gem_jax.data import seqrec
+  if not stats.get("sha256"):
+    return
+  found = seqrec.dataset_path(data.dataset, data.data_dir)
+  now = (os.path.relpath(found[0], data.data_dir), seqrec.file_sha256(found[0])) if found else ("(none)", "")
+  if (stats.get("file"), stats["sha256"]) != now:
+    raise ValueError(f"{done} was trained on {stats.get('file')} (sha256 {stats['sha256'][:12]}), but this run would "
+                     f"read {now[0]} (sha256 {now[1][:12]}) under {data.data_dir}: its seeds would mix two datasets; "
+                     "remove the folder, use another --out or restore the file it read")
 
 
 def train_next_item_seeds(cfg, out_dir: str, seeds: list[int], *, resume: bool = False, report: bool = True,
@@ -182,6 +196,7 @@ def train_next_item_seeds(cfg, out_dir: str, seeds: list[int], *, resume: bool =
       if differ:
         raise ValueError(f"{done} was trained with another config than seed {seed} of this one: {differ}; "
                          "remove the folder or use another --out")
+      _check_same_file(done, results.get("stats", {}), cfg.data)
       log(f"seed {seed}: read {done}")
     else:
       results = train_next_item(seeded, run_dir, resume=resume, report=report, log=log)
