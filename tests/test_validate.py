@@ -158,6 +158,10 @@ BATCH_CASES = {
     "dense_nan": (setat(lambda b: b.dense_BxG, (0, 0), np.nan), ["'ad_quality'", "row 0"]),
     "padding_row_label": (setat(lambda b: b.label_mask_BxK, (6, 0), 1.0), ["label_mask_BxK", "row 6", "padding row"]),
     "example_mask": (setat(lambda b: b.example_mask_B, 0, 0.5), ["example_mask_B", "row 0"]),
+    "padding_row_history": (setat(lambda b: b.history.offsets, 8, 16),
+                            ["history (tokens per row)", "row 7", "padding row"]),
+    "padding_row_multi_hot": (setat(lambda b: b.multi_hot["user_interests"].offsets, 8, 12),
+                              ["user_interests (tokens per row)", "row 7", "padding row"]),
     "batch_size_mismatch": (lambda b: _replace(b, domain_B=b.domain_B[:7]), ["domain_B", "shape (8,)"]),
 }
 

@@ -63,16 +63,19 @@ def validate_batch(batch: Batch, spec: FeatureSpec) -> None:
     ids = _check_vector(f.name, batch.sparse[f.name], B, "int32", _BATCH_ROWS)
     _check_ids(f.name, ids, spec.table(f.table).vocab_size)
   _check_keys("multi_hot", batch.multi_hot, [f.name for f in spec.multi_hot])
+  row_lengths = {}
   for f in spec.multi_hot:
     jag = _jagged(f.name, batch.multi_hot[f.name])
     values = _tokens(f.name, jag.values)
     offsets = _check_batch_offsets(f.name, jag.offsets, values.shape[0], B, f.max_ids, "max_ids")
+    row_lengths[f.name] = np.diff(offsets)
     values = _check_vector(f"{f.name} values", values, None, "int32")
     _check_ids(f.name, values, spec.table(f.table).vocab_size, offsets)
   history = _jagged("history", batch.history)
   values = _tokens("history", history.values)
   offsets = _check_batch_offsets("history", history.offsets, values.shape[0], B, spec.sequence.max_len,
                                  "sequence.max_len")
+  row_lengths["history"] = np.diff(offsets)
   if values.dtype != np.int32:
     raise BatchValidationError(f"history: values must be int32, got {values.dtype}")
   _check_history_values(values, offsets, spec)
@@ -85,6 +88,10 @@ def validate_batch(batch: Batch, spec: FeatureSpec) -> None:
   # A padding row must not carry a defined label, or it would count in the loss and the metrics.
   _first_bad("label_mask_BxK", np.any(label_mask > example_mask[:, None], axis=1), example_mask,
              "is a padding row (example_mask 0) with a defined label")
+  # Nor tokens: they would cost attention and count as real work in the padding and imbalance figures.
+  for name, lengths in row_lengths.items():
+    _first_bad(f"{name} (tokens per row)", (example_mask == 0) & (lengths > 0), lengths,
+               "is the length of a padding row (example_mask 0), which must be empty")
 
 
 # ---- shapes and dtypes ------------------------------------------------------------------------------
