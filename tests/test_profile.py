@@ -74,3 +74,25 @@ def test_profiler_window_avoids_the_steps_an_evaluation_or_checkpoint_follows():
   # No quiet window of that length exists (a checkpoint every 2 steps): the asked-for start, not a hang.
   assert quiet_window(3, 3, (2, 100)) == 3
   assert quiet_window(3, 0, (4,)) == 3 and quiet_window(3, 2, ()) == 3
+
+
+def test_the_breakdown_divides_by_this_processs_devices_and_the_window_waits_for_the_step_before(monkeypatch):
+  """Only process 0 traces, and its trace holds its own devices: per-device seconds divide by those (a
+  4 x 2 mesh over two processes: 4, not 8). The window opens after the step before it has finished."""
+  from types import SimpleNamespace
+  from gem_jax.observe import meter
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+  assert meter.local_devices(mesh, 8) == 8
+  monkeypatch.setattr(jax.sharding, "Mesh", SimpleNamespace)
+  fake = SimpleNamespace(devices=np.array([SimpleNamespace(process_index=i // 4) for i in range(8)]).reshape(4, 2))
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  assert meter.local_devices(fake, 8) == 4
+  assert meter.local_devices(jax.sharding.AbstractMesh((8,), ("a",)), 8) == 8   # no devices to ask
+  monkeypatch.undo()
+  events = []
+  m = object.__new__(meter.RunMeter)
+  m.trace = SimpleNamespace(start=lambda: events.append("start"), stop=lambda: events.append("stop"))
+  m.profile_first, m.profile_last, m.steps = 5, 6, {}
+  for step in range(4, 9):
+    m.profile_hook(step, wait=lambda step=step: events.append(f"wait before {step}"))
+  assert events == ["wait before 5", "start", "wait before 7", "stop"]

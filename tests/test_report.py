@@ -123,3 +123,10 @@ def test_measured_gemm_peak_and_dynamic_loop_note():
                    compiled=loop, peak_flops_per_device=None, measure_peak=True)
   assert r["peak_source"] == "measured GEMM" and r["peak_flops_per_device"] > 0
   assert any("while loop" in n for n in r["notes"])
+
+
+def test_padding_waste_is_none_with_a_note_when_the_optimizer_is_not_below_the_step():
+  r = report.build(model_flops_per_step=50.0, step_times_s=[1.0], num_devices=1, examples_per_step=8,
+                   executed_flops_per_step=100.0, optimizer_flops_per_step=200.0, peak_flops_per_device=1e12)
+  assert r["padding_waste"] is None
+  assert any(n.startswith("padding_waste: None, the optimizer's FLOPs (200)") for n in r["notes"]), r["notes"]

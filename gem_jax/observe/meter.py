@@ -63,6 +63,16 @@ class _Step:
   quiet: bool = True    # no eval, checkpoint or profiler work around it
 
 
+def local_devices(mesh, num_devices: int) -> int:
+  """The mesh's devices on this process (a profiler trace holds only those); num_devices for an abstract
+  mesh, which has no devices to ask."""
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return num_devices
+  devices = mesh.devices
+  me = jax.process_index()
+  return sum(1 for d in devices.flat if d.process_index == me)
+
+
 class RunMeter:
   """Per-step records of one training run (module docstring).
 
@@ -73,6 +83,7 @@ class RunMeter:
                profile_enabled: bool = True, imbalance_every: int = 1, busy_every: tuple[int, ...] = ()):
     self.run, self.flop_model = run, flop_model
     self.num_devices, self.data_shards, self.mesh_spec = run.num_devices, run.data_shards, run.mesh_spec
+    self.local_devices = local_devices(run.mesh, self.num_devices)   # what this process's trace holds
     # The balanced assignment is an LPT pass over the batch (~0.6 s at 65k rows): only on logged steps.
     self.imbalance_every = imbalance_every
     self.steps: dict[int, _Step] = {}
@@ -124,11 +135,14 @@ class RunMeter:
 
   def profile_hook(self, step: int, wait=None) -> None:
     """Call at the top of the iteration that dispatches `step`. `wait()` blocks until the last dispatched
-    step has finished: it runs before the trace stops, so the window holds all of its last step (the loop
-    itself never waits for a step it has just dispatched; this one wait is inside the busy window)."""
+    step has finished: it runs before the trace starts, so the window holds none of the step before it, and
+    before it stops, so the window holds all of its last step (the loop itself never waits for a step it has
+    just dispatched; these waits are inside the busy window)."""
     if self.trace is None:
       return
     if step == self.profile_first:
+      if wait is not None:   # the step before the window must not run into it
+        wait()
       self.trace.start()
     elif step == self.profile_last + 1:
       if wait is not None:
@@ -236,7 +250,7 @@ class RunMeter:
     out["executed_flops_source"] = source if executed is not None else None
     out["time_to_first_step_s"] = time_to_first_step_s
     host = [r.host_s for r in measured]
-    breakdown = self.trace.breakdown(self.profile_steps, self.num_devices) if self.trace is not None else None
+    breakdown = self.trace.breakdown(self.profile_steps, self.local_devices) if self.trace is not None else None
     if breakdown is not None:
       breakdown["host_data_s"] = statistics.median(host) if host else None
       window = [t for s, t in times.items() if self.profile_first <= s <= self.profile_last]

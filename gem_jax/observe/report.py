@@ -160,7 +160,10 @@ def build(*, model_flops_per_step: float, step_times_s: Sequence[float], num_dev
     notes.append("padding_waste: optimizer FLOPs not given, so they count as waste")
   executed_model = (executed_flops_per_step - (optimizer_flops_per_step or 0.0)
                     if executed_flops_per_step else None)
-  waste = 1.0 - model_flops_per_step / executed_model if executed_model else None
+  waste = 1.0 - model_flops_per_step / executed_model if executed_model and executed_model > 0 else None
+  if executed_model is not None and executed_model <= 0:
+    notes.append(f"padding_waste: None, the optimizer's FLOPs ({optimizer_flops_per_step:.3g}) are not below the "
+                 f"step's executed FLOPs ({executed_flops_per_step:.3g})")
   if waste is not None and waste < -0.1:
     notes.append(f"padding_waste {waste:.2f} < 0: XLA counted fewer FLOPs than the analytic model "
                  "(dynamic loops, or work the analytic count does not model)")
