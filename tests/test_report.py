@@ -130,3 +130,17 @@ def test_padding_waste_is_none_with_a_note_when_the_optimizer_is_not_below_the_s
                    executed_flops_per_step=100.0, optimizer_flops_per_step=200.0, peak_flops_per_device=1e12)
   assert r["padding_waste"] is None
   assert any(n.startswith("padding_waste: None, the optimizer's FLOPs (200)") for n in r["notes"]), r["notes"]
+
+
+def test_a_sparse_engine_runs_optimizer_flops_count_the_dense_update_not_every_table_row():
+  from flax import nnx
+  from gem_jax.model.embeddings import Table
+  from gem_jax.train.efficiency import dense_update_flops
+  run = build(tiny("train.embedding_update=sparse"))
+  tables, dense = nnx.split_state(run.state.params, Table, ...)
+  size = lambda tree: sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(tree))
+  got = dense_update_flops(run.optimizer, run.state.params, run.state.opt_state, num_devices=1)
+  whole = report.optimizer_flops(run.optimizer, run.state.params, run.state.opt_state)
+  # AdamW with clipping: ~20 FLOPs an element; row-wise Adagrad over every row: ~7 an element.
+  assert 5 * size(dense) <= got <= 40 * size(dense), (got, size(dense))
+  assert whole - got >= 3 * size(tables), (whole, got, size(tables))

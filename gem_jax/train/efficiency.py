@@ -23,6 +23,26 @@ from gem_jax.train import trainer as trainer_lib
 from gem_jax.train.hooks import Hook
 
 
+def dense_update_flops(optimizer, params, opt_state, num_devices: int) -> float | None:
+  """Executed FLOPs of the optimizer update a sparse-engine step runs on the dense parameters (the whole
+  optimizer would update every table row: V x E elements the step never touches), x num_devices."""
+  import optax
+  from flax import nnx
+
+  from gem_jax.model.embeddings import Table
+
+  def update(params, opt_state, grads):
+    tables, dense = nnx.split_state(params, Table, ...)
+    _, g_dense = nnx.split_state(grads, Table, ...)
+    updates, new_state = optimizer.dense.update(nnx.merge_state(g_dense, tables), optimizer.dense_state(opt_state),
+                                                params)
+    _, dense_updates = nnx.split_state(updates, Table, ...)
+    return optax.apply_updates(dense, dense_updates), new_state
+
+  per_device = report_lib.executed_flops(jax.jit(update).lower(params, opt_state, params).compile())
+  return per_device * num_devices if per_device is not None else None
+
+
 class Meter(Hook):
   key = "meter"
 
@@ -46,8 +66,14 @@ class Meter(Hook):
                                     busy_every=(t.run.cfg.train.checkpoint_every, trainer_lib.eval_every(t.run)))
     self.meter.notes += self.flop_model.notes
     # Before the first step donates the state.
-    self.optimizer_flops = meter_lib.optimizer_flops_sharded(t.run.optimizer, t.state.params, t.state.opt_state,
-                                                             t.run.num_devices)
+    if self.sparse_engine:
+      self.optimizer_flops = dense_update_flops(t.run.optimizer, t.state.params, t.state.opt_state,
+                                                t.run.num_devices)
+      self.meter.notes.append("optimizer FLOPs: the dense parameters' update; the sparse engine updates only "
+                              "the rows a batch touched, inside the step (counted in its executed FLOPs)")
+    else:
+      self.optimizer_flops = meter_lib.optimizer_flops_sharded(t.run.optimizer, t.state.params, t.state.opt_state,
+                                                               t.run.num_devices)
     self.meter.state_bytes(t.state)
 
   def before_batch(self, t) -> None:
