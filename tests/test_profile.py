@@ -5,6 +5,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gem_jax.observe import profile
@@ -96,3 +97,24 @@ def test_the_breakdown_divides_by_this_processs_devices_and_the_window_waits_for
   for step in range(4, 9):
     m.profile_hook(step, wait=lambda step=step: events.append(f"wait before {step}"))
   assert events == ["wait before 5", "start", "wait before 7", "stop"]
+
+
+def test_with_several_programs_the_reports_per_step_numbers_come_from_the_steps_of_the_one_reported():
+  """Steps 1-6 alternate two batch shapes (model FLOPs 1e9 at 0.1 s, 2e9 at 0.2 s); the report reads the
+  program of the odd steps: its model FLOPs and step time are theirs, not a mix of both."""
+  from gem_jax.observe import meter
+  m = object.__new__(meter.RunMeter)
+  m.steps = {}
+  at = 0.0
+  for s in range(7):
+    small = s % 2 == 1
+    at += 0.1 if small else 0.2
+    m.steps[s] = meter._Step(1e9 if small else 2e9, 0.0, 8, 0.0, None, drained_at=at)
+  m.notes, m.tiled, m.num_devices, m.peak, m.peak_source = [], False, 1, 1e12, "given"
+  m.imbalance_shards, m._state_bytes, m.mesh_spec, m.trace = 1, None, None, None
+  common = dict(compiled=None, mesh=None, optimizer_flops_per_step=None, compile_s=None, time_to_first_step_s=None,
+                one_device=None, history={})
+  odd = m.finish(program_steps={1, 3, 5}, **common)
+  assert odd["model_tflops_per_step"] == pytest.approx(1e-3) and odd["step_time_s"] == pytest.approx(0.1)
+  both = m.finish(**common)
+  assert both["model_tflops_per_step"] == pytest.approx(1.5e-3)

@@ -189,15 +189,21 @@ class RunMeter:
     return out
 
   def finish(self, *, compiled, mesh, optimizer_flops_per_step: float | None, compile_s: float | None,
-             time_to_first_step_s: float | None, one_device: dict | None, history: dict) -> dict:
-    """The report (observe/report.py keys plus the run's own), from the records and the compiled step."""
+             time_to_first_step_s: float | None, one_device: dict | None, history: dict,
+             program_steps: set[int] | None = None) -> dict:
+    """The report (observe/report.py keys plus the run's own), from the records and the compiled step.
+    program_steps: the steps that ran `compiled` when the run compiled several programs (one per batch shape);
+    the per-step numbers (model FLOPs, step times) then come from those steps only, so that they and the
+    program's executed FLOPs count the same work."""
     times = self.step_times()
+    if program_steps is not None:
+      times = {s: t for s, t in times.items() if s in program_steps}
     quiet = [t for s, t in times.items() if self.steps[s].quiet]
     if len(quiet) < max(3, len(times) // 2):
       quiet = list(times.values())
     measured = [self.steps[s] for s in times]
     if not measured:
-      measured = list(self.steps.values())
+      measured = [r for s, r in self.steps.items() if program_steps is None or s in program_steps]
     model = statistics.fmean(r.model_flops for r in measured) if measured else 0.0
     examples = round(statistics.fmean(r.examples for r in measured)) if measured else 0
 

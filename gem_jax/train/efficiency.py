@@ -107,10 +107,13 @@ class Meter(Hook):
   def final_eval(self, t, evaluation: dict, task_summary: dict) -> None:
     if self.meter is None:
       return
-    compiled, _ = max(t.programs.values(), key=lambda p: p[1])
+    key, (compiled, _) = max(t.programs.items(), key=lambda kv: kv[1][1])
+    program_steps = None
     if len(t.programs) > 1:
-      self.meter.notes.append(f"compile_s: {len(t.programs)} programs (one per batch shape); FLOPs, comm and "
-                              "memory are those of the one most steps ran")
+      program_steps = {s for s, k in t.step_programs.items() if k == key}
+      self.meter.notes.append(f"compile_s: {len(t.programs)} programs (one per batch shape); FLOPs, comm, memory, "
+                              f"step time, MFU/HFU and padding_waste are those of the {len(program_steps)} steps "
+                              "that ran the one most steps ran")
     run, one_device = t.run, None
     if run.num_devices > 1:
       rows = run.source.batch_size
@@ -122,6 +125,7 @@ class Meter(Hook):
         self.meter.notes.append(f"local_mfu / scaling_efficiency: batch {rows} is smaller than the "
                                 f"{run.num_devices} devices")
     rep = self.meter.finish(compiled=compiled, mesh=run.mesh, optimizer_flops_per_step=self.optimizer_flops,
+                            program_steps=program_steps,
                             compile_s=t.compile_s,
                             time_to_first_step_s=t.t_first - t.t_start if t.t_first else None,
                             one_device=one_device, history=self.history)

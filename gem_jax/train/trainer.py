@@ -91,6 +91,7 @@ class Trainer:
     self.params_for_eval = None               # set by a selecting evaluation hook: the kept parameters
     self.event = on_event or (lambda name, step: None)
     self.programs: dict[tuple, list] = {}      # batch shapes -> [compiled train step, steps run with it]
+    self.step_programs: dict[int, tuple] = {}  # step -> the batch shapes (self.programs' key) it ran
     self.compile_s: float | None = None
     self.writer = None                        # metrics.jsonl (gem_jax/train/hooks.py JsonlWriter), process 0
     self.checkpointer = None                  # the run's checkpoints (set by the checkpoint hook's restore)
@@ -160,6 +161,7 @@ class Trainer:
       self.programs[shapes] = [self.run.train_step.lower(self.state, device_batch).compile(), 0]
       self.compile_s = (self.compile_s or 0.0) + time.perf_counter() - t0
     self.programs[shapes][1] += 1
+    self.step_programs[self.step] = shapes
 
   def mark_busy(self, step: int) -> None:
     """Step `step` shares its time with an evaluation or a checkpoint (the meter leaves it out of medians)."""
