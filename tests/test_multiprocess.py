@@ -102,7 +102,7 @@ def test_two_processes_train_what_one_process_trains(tmp_path, tiny_cpu8_run):
   r_two, r_one = (json.loads((d / "report.json").read_text()) for d in (two, one))
   assert r_two["model_tflops_per_step"] == pytest.approx(r_one["model_tflops_per_step"], rel=1e-9)
   s_two, s_one = (json.loads((d / "summary.json").read_text()) for d in (two, one))
-  for key in ("mean_sequence_length", "model_flops_per_example"):
+  for key in ("mean_sequence_length", "forward_flops_per_example"):
     assert s_two[key] == pytest.approx(s_one[key], rel=1e-9), key
 
   got, want = _records(two), _records(one)

@@ -154,7 +154,7 @@ class Meter(Hook):
   def summary(self, t) -> dict:
     out = {}
     if self.examples:
-      out["model_flops_per_example"] = self.model_flops / self.examples
+      out["forward_flops_per_example"] = self.model_flops / self.examples   # analytic, real tokens (flops.py)
       out["mean_sequence_length"] = self.tokens / self.examples
     if self.report is not None:
       out["efficiency"] = {k: self.report[k] for k in ("mfu", "hfu", "padding_waste", "step_time_s", "local_mfu",
