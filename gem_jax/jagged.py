@@ -203,6 +203,8 @@ def concat_rows(a: Jagged, b: Jagged, capacity: int | None = None) -> Jagged:
   if a.feature_shape != b.feature_shape:
     raise ValueError(f"concat_rows: token shapes differ ({a.feature_shape} vs {b.feature_shape})")
   cap = a.capacity + b.capacity if capacity is None else capacity
+  if cap < a.capacity + b.capacity:   # tokens past it would be dropped on device without a word
+    raise ValueError(f"concat_rows: capacity {cap} < {a.capacity} + {b.capacity}, the tokens both can hold")
   offsets = a.offsets + b.offsets
   t = jnp.arange(cap, dtype=jnp.int32)
   seg = segment_ids(offsets, cap)
@@ -222,7 +224,11 @@ def concat_rows(a: Jagged, b: Jagged, capacity: int | None = None) -> Jagged:
 
 
 def split_rows(x: Jagged, first_lengths_B, capacity_first: int, capacity_second: int) -> tuple[Jagged, Jagged]:
-  """Inverse of concat_rows: row r is cut after first_lengths[r] tokens (clipped to the row length)."""
+  """Inverse of concat_rows: row r is cut after first_lengths[r] tokens (clipped to the row length). Each
+  part's capacity must hold its tokens (the caller knows how many: e.g. C contextual tokens a row); together
+  they must hold x's, which is checked."""
+  if capacity_first + capacity_second < x.capacity:
+    raise ValueError(f"split_rows: capacities {capacity_first} + {capacity_second} < {x.capacity}, the tokens x can hold")
   lengths = x.lengths()
   first = jnp.minimum(jnp.asarray(first_lengths_B, jnp.int32), lengths)
   return (_gather_rows(x, x.offsets[:-1], first, capacity_first),
@@ -234,7 +240,11 @@ def keep_last(x: Jagged, k: int, capacity: int | None = None) -> Jagged:
   runtime.record("truncate", k=k)  # where a row's FLOPs change form (gem_jax/observe/flops.py)
   lengths = x.lengths()
   kept = jnp.minimum(lengths, k)
-  cap = min(x.capacity, x.batch_size * k) if capacity is None else capacity
+  need = min(x.capacity, x.batch_size * k)   # the most tokens the kept rows can hold
+  cap = need if capacity is None else capacity
+  if cap < need:
+    raise ValueError(f"keep_last: capacity {cap} < {need} (min of x's capacity and {x.batch_size} rows x {k}): "
+                     "kept tokens past it would be dropped")
   return _gather_rows(x, x.offsets[1:] - kept, kept, cap)
 
 

@@ -103,6 +103,19 @@ def test_keep_last_is_the_pyramid_truncation():
     np.testing.assert_array_equal(r, full[-3:])
 
 
+def test_a_capacity_too_small_for_the_tokens_is_refused_not_cut_on_device():
+  """Rows [1, 2, 3] and [4, 5, 6] kept to 3 in 4 slots would lose 6 while the offsets still count it (the
+  last token read would be another row's)."""
+  x = Jagged(jnp.arange(1.0, 7.0), jnp.array([0, 3, 6], jnp.int32))
+  with pytest.raises(ValueError, match=r"keep_last: capacity 4 < 6"):
+    jagged.keep_last(x, 3, capacity=4)
+  assert jagged.keep_last(x, 2, capacity=4).capacity == 4          # 2 rows x 2 fit
+  with pytest.raises(ValueError, match=r"concat_rows: capacity 10 < 6 \+ 6"):
+    jagged.concat_rows(x, x, capacity=10)
+  with pytest.raises(ValueError, match=r"split_rows: capacities 2 \+ 3 < 6"):
+    jagged.split_rows(x, jnp.array([1, 1]), 2, 3)
+
+
 def _plain_take(values, src, valid):
   # What take_rows replaces: a gather whose gradient autodiff derives (a scatter-add into zeros).
   return jnp.where(valid.reshape(valid.shape + (1,) * (values.ndim - 1)), values[src], 0.0)
