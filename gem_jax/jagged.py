@@ -228,7 +228,8 @@ def split_rows(x: Jagged, first_lengths_B, capacity_first: int, capacity_second:
   part's capacity must hold its tokens (the caller knows how many: e.g. C contextual tokens a row); together
   they must hold x's, which is checked."""
   if capacity_first + capacity_second < x.capacity:
-    raise ValueError(f"split_rows: capacities {capacity_first} + {capacity_second} < {x.capacity}, the tokens x can hold")
+    raise ValueError(f"split_rows: capacities {capacity_first} + {capacity_second} < {x.capacity}, the tokens x "
+                     "can hold")
   lengths = x.lengths()
   first = jnp.minimum(jnp.asarray(first_lengths_B, jnp.int32), lengths)
   return (_gather_rows(x, x.offsets[:-1], first, capacity_first),
