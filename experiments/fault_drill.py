@@ -2,9 +2,9 @@
 (gem_jax/train/fault_drill.py says how).
 
   python experiments/fault_drill.py --kills 5 --out drill.json           # ~2 min on 2 CPU cores
-  python experiments/fault_drill.py --kills 2 --steps 12 --out drill.json   # the CI size
+  python experiments/fault_drill.py --kills 3 --steps 12 --out drill.json   # the CI size
   python experiments/fault_drill.py --processes 2 --mesh meshes/cpu_8.yaml --kills 3 \
-      --set train.host_tables=users,ads --out drill_2p.json   # 2 processes x 4 devices, host tables
+      --set train.host_tables=user_id,ad_id --out drill_2p.json   # 2 processes x 4 devices, host tables
 
 Writes --out (JSON): `identical` (every per-step loss, the final train state and the final evaluation bit
 for bit equal), the kill points, the steps lost per kill and wall times. Exit status 0 only when identical.

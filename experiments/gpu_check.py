@@ -5,7 +5,7 @@ jax-triton), from the repository root, with the wheels below carried in .whl/:
 
     PYTHONPATH=$PWD python3 experiments/gpu_check.py --wheels .whl --out $OUT
 
-It finishes within its 400 s budget (sections are skipped or cut short, with a note, when time runs out)
+It finishes within its 480 s budget (sections are skipped or cut short, with a note, when time runs out)
 and writes $OUT/gpu_check.json, $OUT/gpu_check.md and $OUT/gpu_check.log as it goes.
 
 Preparation on this (CPU) machine, once, from the repository root:
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
   p.add_argument("--rehearse", action="store_true", help="CPU rehearsal: tiny shapes, interpret mode")
   p.add_argument("--wheels", default=None, help="folder of wheels to install offline first (--prepare-wheels)")
   p.add_argument("--work", default=None, help="scratch folder (default /tmp/gem_jax_gpu_check)")
-  p.add_argument("--budget-s", type=float, default=None, help="total time budget (default 400 GPU, 170 rehearsal)")
+  p.add_argument("--budget-s", type=float, default=None, help="total time budget (default 480 GPU, 175 rehearsal)")
   p.add_argument("--sections", default=None, help="comma-separated subset of the sections")
   p.add_argument("--prepare-wheels", metavar="DIR", default=None,
                  help="download the wheels the GPU image lacks into DIR and exit")

@@ -2,7 +2,7 @@
 fit in HBM, compares the best with naive layouts, and writes it as a mesh file (gem_jax/observe/plan.py).
 
   python experiments/plan_mesh.py --config large --devices 1024 --hardware h200 \\
-      --out-mesh meshes/plan_large_1024.yaml --json plan.json          # ~35 s on one CPU core
+      --out-mesh meshes/plan_large_1024.yaml --json plan.json          # 100-160 s on 2 CPU cores
   python experiments/plan_mesh.py --config base --devices 64 --hardware h100 --top 5
   python experiments/plan_mesh.py --config large --smallest 1024 --set train.host_tables=user_id,ad_id
       # the fewest devices (whole nodes, doubling) on which large fits with those tables in host memory

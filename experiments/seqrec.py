@@ -2,7 +2,7 @@
 trainer (checkpoints, --resume, any --mesh, report.json), evaluated by full ranking (HR@K, NDCG@K over every
 item, history excluded) under the leave-one-out protocol (gem_jax/run/next_item.py).
 
-  python experiments/seqrec.py --dataset ml-1m --out runs/seqrec-ml-1m       # ~67 min on 2 CPU cores
+  python experiments/seqrec.py --dataset ml-1m --out runs/seqrec-ml-1m       # ~88 min on 2 CPU cores
   python experiments/seqrec.py --dataset beauty --out runs/seqrec-beauty     # 22-41 min next to other runs
   python experiments/seqrec.py --dataset ml-100k --quick --out runs/seqrec-quick   # CI-sized check
   python experiments/seqrec.py --dataset ml-1m --set train.epochs=20 --set model.num_layers=4
