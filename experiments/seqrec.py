@@ -61,6 +61,18 @@ def main(argv=None) -> int:
     p.error("--results needs --seeds")
   if args.average and not args.evaluate:
     p.error("--average needs --evaluate RUN_DIR")
+  if args.evaluate:   # nothing is trained or written: flags about a training run would be ignored
+    ignored = [f for f, on in (("--out", args.out), ("--seeds", args.seeds), ("--resume", args.resume),
+                               ("--train-through-valid", args.train_through_valid)) if on]
+    if ignored:
+      p.error(f"--evaluate trains nothing, so {', '.join(ignored)} would be ignored")
+  set_keys = {kv.split("=", 1)[0] for kv in args.set}
+  seeded = sorted(set_keys & {"train.seed", "data.seed"})
+  if args.seeds and seeded:
+    p.error(f"--seeds sets train.seed and data.seed per run; drop --set {' '.join(seeded)}")
+  fixed = {"train.epochs", "train.select_metric", "train.patience", "train.eval_every_epochs"}
+  if args.train_through_valid and set_keys & fixed:
+    p.error(f"--train-through-valid sets {sorted(fixed)}; drop --set {' '.join(sorted(set_keys & fixed))}")
 
   from gem_jax import configs
   from gem_jax.config import apply_overrides

@@ -116,3 +116,9 @@ def test_the_first_jax_triton_wheel_that_works_is_chosen(tmp_path):
   assert info["probes"][1]["ok"] and info["jax_triton"].endswith("site-jax_triton-9.9.0")
   assert (pathlib.Path(info["site"]) / "gem_jax_fake_dep" / "__init__.py").exists()
 
+
+
+def test_an_unknown_section_is_refused_before_anything_runs(tmp_path):
+  with pytest.raises(ValueError, match=r"unknown sections \['corectness'\]; known: \["):
+    gpu_check.run(str(tmp_path / "out"), rehearse=True, sections=("corectness",))
+  assert not (tmp_path / "out").exists()

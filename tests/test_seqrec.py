@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import re
 import subprocess
 import sys
 
@@ -537,6 +538,18 @@ def test_real_datasets_load_with_published_sizes(name, users, items, interaction
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("flags,message", [
+    (["--evaluate", "runs/x", "--seeds", "2"], "--evaluate trains nothing, so --seeds would be ignored"),
+    (["--evaluate", "runs/x", "--out", "runs/y"], "--evaluate trains nothing, so --out would be ignored"),
+    (["--seeds", "3", "--set", "train.seed=4"], "--seeds sets train.seed and data.seed per run; drop --set train.seed"),
+    (["--train-through-valid", "45", "--set", "train.epochs=50"], "--train-through-valid sets .*drop --set train.epochs"),
+])
+def test_the_seqrec_command_refuses_flags_it_would_ignore_or_override(flags, message):
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "seqrec.py"), "--dataset", "ml-100k",
+                         *flags], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and re.search(message, proc.stderr), proc.stderr[-2000:]
+
+
 def test_quick_ml100k_run_beats_most_popular(tmp_path):
   """The CI-sized end-to-end run (experiments/seqrec.py --quick, ~30 s on 2 cores): results.json has every
   metric on validation and test, and the model beats ranking by popularity on the test targets."""
@@ -553,7 +566,9 @@ def test_quick_ml100k_run_beats_most_popular(tmp_path):
   assert res["best_step"] is not None and (out / "report.json").exists() and (out / "checkpoints").is_dir()
   for part in ("valid", "test"):
     assert set(res[part]) == {f"{m}@{k}" for m in ("HR", "NDCG") for k in (10, 50, 200)}
-  assert res["stats"] == {"users": 943, "items": 1682, "interactions": 100000}
+  assert {k: res["stats"][k] for k in ("users", "items", "interactions")} == {"users": 943, "items": 1682,
+                                                                           "interactions": 100000}
+  assert res["stats"]["file"] == os.path.join("ml-100k", "u.data") and len(res["stats"]["sha256"]) == 64
   base = res["baseline_most_popular"]["test"]
   assert res["test"]["HR@10"] > base["HR@10"] and res["test"]["NDCG@10"] > base["NDCG@10"], (res["test"], base)
   assert res["wall_s"]["total"] < 180

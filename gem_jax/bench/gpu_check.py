@@ -148,6 +148,9 @@ def section_env(rehearse: bool, pythonpath: list[str], work: str) -> dict:
 def run(out_dir: str, *, rehearse: bool = False, wheels: str | None = None, work: str | None = None,
         budget_s: float | None = None, sections: tuple[str, ...] | None = None) -> dict:
   """Runs the check; -> the gpu_check.json dict (also written to out_dir, with gpu_check.md)."""
+  unknown = sorted(set(sections or ()) - {s.name for s in SECTIONS})
+  if unknown:   # a typo would otherwise run nothing of it, on a GPU lent for minutes
+    raise ValueError(f"gpu_check: unknown sections {unknown}; known: {[s.name for s in SECTIONS]}")
   t0 = time.time()
   budget = budget_s or (REHEARSAL_BUDGET_S if rehearse else GPU_BUDGET_S)
   os.makedirs(out_dir, exist_ok=True)
