@@ -186,6 +186,16 @@ def test_non_finite_values_stay_non_finite_and_local():
   assert np.isnan(y).all()   # one scale for the whole tensor
 
 
+@pytest.mark.parametrize("role", ["fwd", "grad"])
+def test_a_finite_row_of_tiny_values_stays_finite(role):
+  """amax 1e-37 (a zero row but one entry): amax / 448 is subnormal, which XLA:CPU flushes to 0, and the
+  row's zeros became 0/0 = NaN; the scale is kept at float32's smallest normal."""
+  x = jnp.zeros((2, 64)).at[1, 0].set(1e-37).at[0].set(1.0)
+  for recipe in ("rowwise", "tensorwise", "mxfp8"):
+    y = np.asarray(jax.jit(lambda x, r=recipe: fp8.quantize_dequantize(x, 1, r, role))(x))
+    assert np.isfinite(y).all() and (y[1, 1:] == 0).all(), recipe
+
+
 def test_bad_arguments():
   x, w, _ = operands()
   with pytest.raises(ValueError, match="unknown FP8 recipe 'fp4'"):

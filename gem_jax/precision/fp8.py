@@ -101,8 +101,10 @@ def quantize(x, axis: int, recipe: Recipe, role: str = "fwd"):
   # NaN/Inf are tested explicitly: XLA:CPU's vectorized max reductions may drop a NaN.
   all_finite = jnp.all(finite, axis=reduce_axes, keepdims=True)
   amax = jnp.max(jnp.where(finite, jnp.abs(x), 0.0), axis=reduce_axes, keepdims=True)
-  # A zero row keeps scale 1 (any scale gives zeros); NaN/Inf make the scale NaN, hence all NaN.
-  scale = jnp.where(amax == 0, 1.0, amax / MAX_NORMAL[dt])
+  # A zero row keeps scale 1 (any scale gives zeros); NaN/Inf make the scale NaN, hence all NaN. The scale is
+  # kept at float32's smallest normal or above: a row whose amax is under MAX_NORMAL x that (5e-36 for E4M3)
+  # would get a subnormal scale, which XLA:CPU flushes to 0 (0/0: NaN for a finite row).
+  scale = jnp.where(amax == 0, 1.0, jnp.maximum(amax / MAX_NORMAL[dt], jnp.finfo(jnp.float32).tiny))
   scale = jnp.where(all_finite, scale, jnp.nan)
   max_normal = MAX_NORMAL[dt]
   elems = jnp.clip(x / scale, -max_normal, max_normal).astype(dt)
