@@ -117,6 +117,22 @@ def check_rules(spec: MeshSpec) -> None:
                           f"only {TP_NAMES} may map there")
 
 
+def check_precision_rules(cfg: Config, model) -> None:
+  """Every model.precision.rules pattern names at least one Dense site of `model` (a typo would otherwise
+  leave the sites it meant in the policy's default without a word)."""
+  import fnmatch
+
+  from gem_jax.model.layers import dense_sites
+  precision = getattr(cfg.model, "precision", None)
+  if precision is None or not precision.rules:
+    return
+  sites = [site for site, _ in dense_sites(model)]
+  for pattern, _ in precision.parsed_rules():
+    if not any(fnmatch.fnmatchcase(site, pattern) for site in sites):
+      raise ValueError(f"model.precision.rules: {pattern!r} matches no Dense site of the model; its sites are "
+                       f"{sites[:8]}{' ...' if len(sites) > 8 else ''} ({len(sites)} in all)")
+
+
 def check_tensor_parallel(params, spec: MeshSpec) -> None:
   """Every parameter of a tensor-parallel pair is cut the same way (for HSTU: whole heads). `params`: the
   built or abstract model's parameters, whose tensor-parallel dims are read off their logical axes

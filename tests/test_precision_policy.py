@@ -130,6 +130,16 @@ def test_command_line_overrides_reach_the_policy():
     apply_overrides(configs.get("tiny"), ['model.precision.rules=["heads.trunk=int8"]'])
 
 
+def test_a_rule_that_matches_no_site_is_refused_when_the_run_is_built():
+  from gem_jax.run.build import build
+  typo = apply_overrides(configs.get("tiny"), ["model.precision.policy=fp8",
+                                               'model.precision.rules=["layer.*.hstu.out=bf16"]'])
+  with pytest.raises(ValueError, match=r"'layer\.\*\.hstu\.out' matches no Dense site of the model; its sites "
+                                       r"are \['"):
+    build(typo, abstract=True)
+  build(apply_overrides(configs.get("tiny"), ['model.precision.rules=["layers.*.hstu.out=bf16"]']), abstract=True)
+
+
 def test_policy_changes_sites_without_model_code_changes(tiny, shared_model):
   cfg, _ = tiny
   by_policy = {name: built_recipes(cfg, policy=name, min_dim=32) for name in ("none", "bf16", "fp8", "mxfp8")}

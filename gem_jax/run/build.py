@@ -230,6 +230,7 @@ def build(cfg, *, abstract: bool = False, devices=None, source=None, first_batch
   make_model = lambda: task.build_model(cfg, source, nnx.Rngs(seed))
   model = nnx.eval_shape(make_model)
   check.check_tensor_parallel(nnx.state(model, nnx.Param), mesh_spec)
+  check.check_precision_rules(cfg, model)
   allocate = not (abstract or compile_only)
   host_names, on_host = _host_tables(cfg, task, source, allocate)
   if allocate:
