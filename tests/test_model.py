@@ -118,6 +118,13 @@ def test_every_dense_site_is_its_module_path(model):
   assert {"token_proj", "heads.trunk", "layers.0.hstu.uvqk", "layers.1.wukong.fm_mlp_in"} <= set(sites)
 
 
+def test_a_domain_id_outside_the_towers_reads_nan_negative_ones_too(model):
+  heads = model.heads
+  r = heads.w1_RxGxG.shape[0]
+  logits = np.asarray(heads(jnp.ones((4, heads.norm.scale.shape[0])), jnp.array([-1, 0, r, r - 1], jnp.int32)))
+  assert np.isnan(logits[[0, 2]]).all() and np.isfinite(logits[[1, 3]]).all()
+
+
 def test_embedding_lookups(model):
   emb = model.embeddings
   table = np.asarray(emb.tables["category"][...])

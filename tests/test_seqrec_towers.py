@@ -184,6 +184,17 @@ def _toy_cfg(tmp_path, *sets):
       "data.batch_negatives=2", "data.token_multiple=64", *sets])
 
 
+@pytest.mark.parametrize("arch", ["hstu", "esasrec"])
+def test_every_dense_site_of_the_next_item_model_is_its_module_path(arch):
+  from gem_jax.model.layers import Dense, dense_sites
+  model = nnx.eval_shape(lambda: SeqRecModel(SeqRecModelConfig(dim=8, head_dim=4, value_dim=4, num_layers=2, arch=arch,
+                                                               hstu_ffn=arch == "hstu", max_len=6), 9,
+                                             rngs=nnx.Rngs(0)))
+  paths = {".".join(str(p) for p in path): m for path, m in nnx.iter_modules(model) if isinstance(m, Dense)}
+  sites = dict(dense_sites(model))
+  assert sites.keys() == paths.keys() and all(sites[k] is paths[k] for k in paths), (sorted(sites), sorted(paths))
+
+
 def test_hstu_ffn_follows_each_hstu_layer_with_the_gated_feed_forward():
   """hstu_ffn: layer i's output goes through FFN i (eSASRec's formula, in numpy here) before layer i + 1; the
   HSTU layers' own parameters are created as without it."""

@@ -54,7 +54,10 @@ class MultiDomainHeads(nnx.Module):
       pre_BxRxG = tensor_sum(pre_BxRxG)
     hidden_BxRxG = jax.nn.silu(pre_BxRxG + f32(self.b1_RxG)[None])
     logits_BxRxK = jnp.einsum("brg,rgk->brk", hidden_BxRxG, f32(self.w2_RxGxK)) + f32(self.b2_RxK)[None]
-    domain_Bx1x1 = jnp.asarray(domain_B, jnp.int32)[:, None, None]
+    domain_B = jnp.asarray(domain_B, jnp.int32)
+    # An id outside [0, R) reads NaN. take_along_axis wraps a negative index before its fill applies (-1
+    # would read the last tower), so those go out of range on the high side first.
+    domain_Bx1x1 = jnp.where(domain_B < 0, logits_BxRxK.shape[1], domain_B)[:, None, None]
     return jnp.take_along_axis(logits_BxRxK, domain_Bx1x1, axis=1, mode="fill", fill_value=jnp.nan)[:, 0]
 
 

@@ -8,7 +8,8 @@ generative-recommenders' production STU layer: SiLU on u only (q, k, v stay line
 projection, without bias, reads the concatenation [u, attn, LayerNorm(attn) * u].
 
 Dropout (cfg.hstu.dropout_rate, HSTU's "linear dropout") applies only when the caller passes a
-`dropout_rng`; without one the layer is deterministic (evaluation, and every GEM step today).
+`dropout_rng`; without one the layer is deterministic (evaluation). GEM's train step passes one, so a
+positive rate acts in training; its default is 0.
 
 Tensor parallel over heads (gem_jax/model/layers.py): the (u, v, q, k) projection is column parallel
 with head-major columns, attention runs on this device's heads, the norm sums its statistics over the

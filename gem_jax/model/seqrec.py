@@ -134,7 +134,7 @@ class SeqRecModel(nnx.Module):
                               for i in range(cfg.num_layers)])
     self.final_norm = LayerNorm(cfg.dim, mcfg, rngs=rngs) if cfg.arch == "sasrec" else None
     self.ffns = nnx.List([sasrec.GatedFFN(mcfg, ffn_multiplier=cfg.ffn_multiplier, dropout_rate=cfg.dropout_rate,
-                                          site=f"layers.{i}.ffn", rngs=rngs)
+                                          site=f"ffns.{i}", rngs=rngs)
                           for i in range(cfg.num_layers)]) if cfg.hstu_ffn else None
 
   def encode(self, items: Jagged, dropout_rng=None):
