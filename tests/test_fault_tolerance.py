@@ -232,6 +232,12 @@ def test_a_drill_reference_is_a_group_or_one_process():
   assert fault_drill.Drill(processes=2, mesh="meshes/cpu_2.yaml", reference="one").reference == "one"
   with pytest.raises(ValueError, match="reference is 'group' or 'one'"):
     fault_drill.Drill(reference="single")
+  with pytest.raises(ValueError, match=r"--grace >= 0, got 1 and -1"):
+    fault_drill.Drill(grace_s=-1)
+  # The kill points follow --steps / --checkpoint-every / --mesh: a --set of those would move the run under them.
+  with pytest.raises(ValueError, match=r"set those, not --set mesh train.steps"):
+    fault_drill.Drill(sets=("train.steps=40", "mesh=meshes/cpu_2.yaml", "train.host_tables=user_id"))
+  assert fault_drill.Drill(sets=("train.host_tables=user_id,ad_id",)).sets
 
 
 def test_every_drill_process_compiles_for_one_intra_op_thread_count(monkeypatch, tmp_path):

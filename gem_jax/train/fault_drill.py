@@ -84,7 +84,12 @@ class Drill:
     if self.kills < 0 or self.steps < 2 or self.checkpoint_every < 1:
       raise ValueError("a drill needs kills >= 0, steps >= 2, checkpoint_every >= 1")
     if self.processes < 1 or self.grace_s < 0:
-      raise ValueError(f"a drill needs processes >= 1 and grace_s >= 0, got {self.processes} and {self.grace_s}")
+      raise ValueError(f"a drill needs --processes >= 1 and --grace >= 0, got {self.processes} and {self.grace_s}")
+    fixed = {"train.steps", "train.checkpoint_every", "mesh"}   # the kill points are planned from these
+    clash = sorted({kv.split("=", 1)[0] for kv in self.sets} & fixed)
+    if clash:
+      raise ValueError(f"a drill plans its kill points from --steps, --checkpoint-every and --mesh: set those, not "
+                       f"--set {' '.join(clash)}")
     devices = self.mesh_devices()
     if devices % self.processes:
       raise ValueError(f"mesh {self.mesh} has {devices} devices, which {self.processes} processes cannot split evenly")
