@@ -55,6 +55,12 @@ def main(argv=None) -> int:
   p.add_argument("--no-report", action="store_true",
                  help="skip the efficiency report (report.json, plots/, profile/ and the table)")
   args = p.parse_args(argv)
+  if args.step is not None and not args.eval_only:
+    p.error("--step picks the checkpoint --eval-only evaluates; it needs --eval-only")
+  if args.eval_only and (args.resume or args.no_report):
+    p.error("--eval-only trains nothing, so --resume and --no-report would be ignored")
+  if args.mesh and any(kv.split("=", 1)[0] == "mesh" for kv in args.set):
+    p.error("--mesh and --set mesh=... name the mesh twice; use one")
 
   from gem_jax.parallel import distributed
   cpu_devices = args.local_devices

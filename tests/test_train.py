@@ -116,3 +116,17 @@ def test_resume_from_an_empty_folder_starts_at_step_zero(tmp_path):
   assert summary["steps_this_run"] == 2
   with pytest.raises(FileExistsError, match="--resume"):
     train(_tiny(**{"train.steps": 2}), str(tmp_path), progress=False)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--step", "4"], "--step picks the checkpoint --eval-only evaluates"),
+    (["--eval-only", "--resume"], "--eval-only trains nothing, so --resume and --no-report would be ignored"),
+    (["--mesh", "meshes/cpu_2.yaml", "--set", "mesh=meshes/cpu_8.yaml"], "--mesh and --set mesh=... name the mesh"),
+])
+def test_the_train_command_refuses_flags_it_would_ignore(flags, message):
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, os.path.join(root, "experiments", "train.py"), *flags], capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
