@@ -55,6 +55,12 @@ def main(argv=None) -> int:
   p.add_argument("--out", default="runs/bench_hstu_stack.json")
   p.add_argument("--child", nargs=2, metavar=("STACK", "IMPL"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
+  if args.tiles and args.dense_dots:
+    p.error("--tiles and --dense-dots are two different measurements; pick one")
+  if (args.tiles or args.dense_dots) and (args.baseline or args.flag_sets):
+    p.error("--baseline and --flag-sets compare whole stacks; --tiles / --dense-dots do not read them")
+  if args.dense_dots and args.no_rel_bias:
+    p.error("--dense-dots times the attention's dots, which have no relative bias; --no-rel-bias means nothing there")
   if args.child:
     print(json.dumps(hstu_stack.child(*args.child, args.reps, args.seed, not args.no_rel_bias)))
     return 0
