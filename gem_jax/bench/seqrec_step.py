@@ -40,6 +40,24 @@ def _variant(dataset: str, overrides: list[str], steps: int, quick: bool, tower:
           "tokens": sum(_tokens(b) for b in host), "step_s": [], "tokens_per_s": []}
 
 
+def _shape(batch) -> tuple:
+  return tuple(np.shape(x) for x in jax.tree_util.tree_leaves(batch))
+
+
+def _one_of_each_shape(batches: list) -> list:
+  """The first batch of each distinct shape (token capacities round up to token_multiple, so a preset's
+  batches come in a few shapes, each its own program): warming up on them keeps compiles out of the timing."""
+  seen = {}
+  for b in batches:
+    seen.setdefault(_shape(b), b)
+  return list(seen.values())
+
+
+def _programs(jitted) -> int | None:
+  size = getattr(jitted, "_cache_size", None)
+  return size() if callable(size) else None
+
+
 def _train_round(v: dict) -> None:
   run, state, times = v["run"], v["state"], []
   for batch in v["batches"]:
@@ -58,7 +76,8 @@ def _eval_rate(v: dict, batches: int, rounds: int) -> float:
   sharded = run.eval_batches("valid")[:batches]
   placed = [run.place(b) for b in sharded]
   users = sum(int(np.sum(np.asarray(b.row_mask_B) > 0)) for b in run.source.eval_batches("valid")[:batches])
-  jax.block_until_ready(run.eval_step(params, placed[0]))   # compile
+  for b in _one_of_each_shape(placed):   # compile every shape the timed passes will run
+    jax.block_until_ready(run.eval_step(params, b))
   rates = []
   for _ in range(rounds):
     t = time.perf_counter()
@@ -75,9 +94,14 @@ def compare(dataset: str, variants: dict[str, list[str]], *, steps: int = 10, ro
   for name, v in built.items():   # compile, and the first step's loss from the initial parameters
     state, metrics = v["run"].train_step(v["run"].state, v["batches"][0])
     v["first_loss"] = float(metrics["loss"])
-    v["state"] = state
-    log(f"{name}: compiled; first loss {v['first_loss']:.6f}")
+    shapes = _one_of_each_shape(v["batches"])
+    for batch in shapes[1:]:   # the other batch shapes' programs, compiled before any timed step
+      state, metrics = v["run"].train_step(state, batch)
+    jax.block_until_ready(metrics)
+    v["state"], v["shapes"] = state, len(shapes)
+    log(f"{name}: compiled {len(shapes)} batch shape(s); first loss {v['first_loss']:.6f}")
   names = list(built)
+  programs = {name: _programs(v["run"].train_step) for name, v in built.items()}
   for r in range(rounds):
     for name in (names if r % 2 == 0 else names[::-1]):
       _train_round(built[name])
@@ -86,7 +110,10 @@ def compare(dataset: str, variants: dict[str, list[str]], *, steps: int = 10, ro
   for name, v in built.items():
     row = {"overrides": variants[name], "step_s": statistics.median(v["step_s"]),
            "tokens_per_s": statistics.median(v["tokens_per_s"]), "first_loss": v["first_loss"],
-           "tokens_per_batch": v["tokens"] / steps}
+           "tokens_per_batch": v["tokens"] / steps, "batch_shapes": v["shapes"],
+           # programs jit compiled during the timed rounds (None: this jax does not say): 0 when warm-up worked
+           "compiled_while_timed": (None if programs[name] is None
+                                    else _programs(v["run"].train_step) - programs[name])}
     if eval_batches:
       row["eval_users_per_s"] = _eval_rate(v, eval_batches, rounds)
     out["variants"][name] = row
