@@ -23,7 +23,11 @@ def test_rounds_alternate_and_medians_and_ratios_come_from_every_run(monkeypatch
   assert result["medians"]["new"]["click/eval_ne"] == 0.89
   assert result["medians"]["old"]["click/gap_closed"] == 0.615  # the run without a value is left out
   assert result["hfu_ratio"] == {"new": 0.5, "old": 1.0}
-  assert "| HFU vs old | 0.500x | 1.000x |" in ab_trees.table(result)
+  assert "| HFU vs old | 0.500x | 1.000x |" in ab_trees.table(result) and not result["notes"]
+  calls.clear()
+  once = ab_trees.compare({"new": "/a", "old": "/b"}, ["--config", "tiny"], repeats=1, out_dir=str(tmp_path),
+                          log=lambda *_: None)
+  assert "note: one run per tree, new then old in that order" in ab_trees.table(once)
 
 
 def test_a_run_gives_its_report_s_mfu_and_hfu(monkeypatch, tmp_path):

@@ -68,9 +68,13 @@ def compare(trees: dict[str, str], args: list[str], *, repeats: int = 3, out_dir
   ratios = {n: medians[n]["examples_per_s"] / medians[reference]["examples_per_s"] for n in names}
   hfu_ratios = {n: (medians[n]["hfu"] / medians[reference]["hfu"]
                     if medians[n].get("hfu") and medians[reference].get("hfu") else None) for n in names}
+  notes = []
+  if repeats < 2:
+    notes.append(f"one run per tree, {' then '.join(names)} in that order: nothing alternates and no median "
+                 "smooths the machine's drift (runs of one tree here differ by ~5%); use --repeats 2 or more")
   return {"args": args, "trees": {n: os.path.abspath(p) for n, p in trees.items()}, "repeats": repeats,
           "reference": reference, "runs": runs, "medians": medians, "examples_per_s_ratio": ratios,
-          "hfu_ratio": hfu_ratios}
+          "hfu_ratio": hfu_ratios, "notes": notes}
 
 
 def table(result: dict) -> str:
@@ -86,4 +90,5 @@ def table(result: dict) -> str:
   hfu = result.get("hfu_ratio") or {}
   lines.append(f"| HFU vs {result['reference']} | "
                + " | ".join("-" if hfu.get(n) is None else f"{hfu[n]:.3f}x" for n in names) + " |")
+  lines += [f"note: {n}" for n in result.get("notes", [])]
   return "\n".join(lines)
