@@ -5,6 +5,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from gem_jax import ops
 from gem_jax.bench import attention
@@ -50,3 +51,23 @@ def test_dot_product_attention_matches_the_jagged_reference():
                                   rng=np.random.default_rng(1))
   fwd = next(r for r in records if r["kernel"] == "dot_product_attention" and r["pass"] == "fwd")
   assert fwd["max_rel_err"] <= 1e-5
+
+
+def test_interleaved_medians_give_two_identical_calls_the_same_median_on_a_drifting_clock(monkeypatch):
+  """A clock whose every interval is longer than the last (a machine slowing down) gives the call timed second a
+  larger median when the reps run back to back (all of one call's, then the other's), and still one when they
+  alternate A B A B; in the order A B B A over an even number of reps both medians agree."""
+  import time as time_lib
+  from gem_jax.bench import timing
+  readings = []
+
+  def drifting():
+    readings.append(None)
+    n = len(readings)
+    return n * n * 1e-3   # each interval longer than the last
+
+  monkeypatch.setattr(time_lib, "perf_counter", drifting)
+  f = lambda x: x + 1
+  a, b, failed = timing.interleaved_medians([(f, (1,)), (f, (2,)), (lambda: 1 / 0, ())], reps=6)
+  assert a == pytest.approx(b, rel=0.05) and isinstance(failed, ZeroDivisionError)
+  assert timing.interleaved_medians([(f, (1,))], reps=3, deadline=0.0) == [None]

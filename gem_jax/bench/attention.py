@@ -16,14 +16,13 @@ Letters: B rows, N max length, H heads, D head width, T tokens.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gem_jax import ops
-from gem_jax.bench.timing import median_ms
+from gem_jax.bench.timing import interleaved_medians
 from pallas_kernels.conformance import max_rel_err
 from pallas_kernels.hstu_attention import reference as hstu_reference
 from pallas_kernels.jagged_softmax_attention import reference as softmax_reference
@@ -114,23 +113,18 @@ def bench_shape(shape: Shape, *, impls: dict, reps: int, peak: float, dtype=jnp.
   flops_fwd = float(np.sum(lengths * (lengths + 1) // 2)) * h * 4 * d  # q.k and w.v per causal pair
   records = []
 
+  timed = []   # (record, (fn, args)): timed together once every record is in (interleaved_medians)
+
   def add(kernel, impl, pass_, measure, err=None):
-    """measure: () -> milliseconds, or a string: why this one is skipped."""
+    """measure: (fn, args) to time, or a string: why this one is skipped."""
     rec = {"kernel": kernel, "impl": impl, "shape": shape.name, "pass": pass_, "dtype": jnp.dtype(dtype).name,
            "batch": shape.batch, "max_len": n, "heads": h, "head_dim": d, "lengths": shape.lengths,
            "tokens": t, "mean_length": float(lengths.mean()), "median_ms": None, "real_tflops": None,
            "pct_of_peak": None, "max_rel_err": err, "skipped": None, "error": None}
     if isinstance(measure, str):
       rec["skipped"] = measure
-    elif deadline is not None and time.time() > deadline:
-      rec["skipped"] = "the section's time limit was reached"
     else:
-      try:
-        ms = measure()
-        flops = flops_fwd * (1.0 if pass_ == "fwd" else FWD_BWD_FACTOR)
-        rec.update(median_ms=ms, real_tflops=flops / (ms / 1e3) / 1e12, pct_of_peak=100 * flops / (ms / 1e3) / peak)
-      except Exception as e:  # a kernel that does not lower or run here is reported, not fatal
-        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      timed.append((rec, measure))
     records.append(rec)
 
   def both_passes(kernel, name, fn, ref_out, kw, bwd=True):
@@ -145,13 +139,13 @@ def bench_shape(shape: Shape, *, impls: dict, reps: int, peak: float, dtype=jnp.
       add(kernel, name, "fwd", f"failed: {type(e).__name__}: {str(e)[:300]}")
       add(kernel, name, "fwd+bwd", "the forward failed")
       return
-    add(kernel, name, "fwd", lambda: median_ms(fwd, q, k, v, reps=reps), err)
+    add(kernel, name, "fwd", (fwd, (q, k, v)), err)
     if bwd is not True:
       add(kernel, name, "fwd+bwd", bwd)
       return
     grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, offsets, **kw).astype(jnp.float32)),
                             argnums=(0, 1, 2)))
-    add(kernel, name, "fwd+bwd", lambda: median_ms(grad, q, k, v, reps=reps))
+    add(kernel, name, "fwd+bwd", (grad, (q, k, v)))
 
   with jax.default_matmul_precision("highest"):  # the references in true f32
     hkw = dict(max_seq_len=n, alpha=1.0 / d, causal=True)
@@ -184,13 +178,22 @@ def bench_shape(shape: Shape, *, impls: dict, reps: int, peak: float, dtype=jnp.
     row_T = np.repeat(np.arange(shape.batch), lengths)
     pos_T = np.arange(t) - np.asarray(offsets)[row_T]
     err = max_rel_err(out_BxNxHxD[row_T, pos_T], softmax_ref[:t])
-    add("dot_product_attention", impl, "fwd", lambda: median_ms(cudnn, *padded_qkv, reps=reps), err)
+    add("dot_product_attention", impl, "fwd", (cudnn, padded_qkv), err)
     grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
-    add("dot_product_attention", impl, "fwd+bwd", lambda: median_ms(grad, *padded_qkv, reps=reps))
+    add("dot_product_attention", impl, "fwd+bwd", (grad, padded_qkv))
   except Exception as e:
     reason = f"failed: {type(e).__name__}: {str(e)[:300]}"
     add("dot_product_attention", impl, "fwd", reason)
     add("dot_product_attention", impl, "fwd+bwd", reason)
+  # Every impl and baseline of the shape timed together, reps interleaved: drift cannot favour one of them.
+  for (rec, _), got in zip(timed, interleaved_medians([m for _, m in timed], reps=reps, deadline=deadline)):
+    if got is None:
+      rec["skipped"] = "the section's time limit was reached"
+    elif isinstance(got, Exception):   # a kernel that does not lower or run here is reported, not fatal
+      rec["error"] = f"{type(got).__name__}: {str(got)[:300]}"
+    else:
+      flops = flops_fwd * (1.0 if rec["pass"] == "fwd" else FWD_BWD_FACTOR)
+      rec.update(median_ms=got, real_tflops=flops / (got / 1e3) / 1e12, pct_of_peak=100 * flops / (got / 1e3) / peak)
   return records
 
 

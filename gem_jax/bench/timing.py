@@ -24,6 +24,34 @@ def median_ms(fn, *args, reps: int) -> float:
   return statistics.median(times) * 1e3
 
 
+def interleaved_medians(calls: list, *, reps: int, deadline: float | None = None) -> list:
+  """Median milliseconds of each (fn, args) in `calls`, their reps interleaved: one warm-up (compile) call
+  each, then `reps` rounds that time every call once, in reverse order every other round, so a machine that
+  speeds up or slows down during the run moves every call's median alike instead of favouring the ones timed
+  first. An entry whose warm-up raises gets the exception instead of a median; one whose warm-up starts after
+  `deadline` (time.time()) gets None."""
+  out: list = [None] * len(calls)
+  live = []
+  for i, (fn, args) in enumerate(calls):
+    if deadline is not None and time.time() > deadline:
+      continue
+    try:
+      jax.block_until_ready(fn(*args))
+      live.append(i)
+    except Exception as e:  # noqa: BLE001 - one call that fails is its own result
+      out[i] = e
+  times = {i: [] for i in live}
+  for r in range(reps):
+    for i in (live if r % 2 == 0 else live[::-1]):
+      fn, args = calls[i]
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[i].append(time.perf_counter() - t)
+  for i in live:
+    out[i] = statistics.median(times[i]) * 1e3
+  return out
+
+
 def measured_gemm_peak(dtype, n: int, reps: int = 5) -> float:
   """FLOP/s of one n x n x n matmul with f32 accumulation on the default device, median of `reps`."""
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
