@@ -207,6 +207,9 @@ def batch_violations(b) -> list[str]:
     bad.append("example_mask_B")
   if any(x > m for m, row in zip(example_mask, label_mask) for x in row):
     bad.append("label_mask")  # a defined label on a padding row
+  for name, offsets in ((MULTI.name, jag.offsets.tolist()), ("history", b.history.offsets.tolist())):
+    if name not in bad and any(m == 0.0 and hi > lo for m, lo, hi in zip(example_mask, offsets, offsets[1:])):
+      bad.append(name)  # tokens on a padding row
   return bad
 
 
