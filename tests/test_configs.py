@@ -82,9 +82,10 @@ def test_overrides_set_nested_fields_and_reject_unknown_keys():
     apply_overrides(cfg, ["model.hstu.keep_last=8"])
 
 
-@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("name", ["small"])
 def test_cpu_configs_run_a_real_train_step(name):
-  """The CPU configs also run: a real step on a real synthetic batch changes the parameters."""
+  """The CPU configs also run: a real step on a real synthetic batch changes the parameters (tiny, the test
+  config, trains in most of the suite's tests)."""
   run = build(apply_overrides(configs.get(name), ["data.pipeline.batch_size=16",
                                                   "data.synthetic.calibration_examples=4096"]))
   batch = run.device_batch(next(run.source.train_iterator()))

@@ -94,26 +94,21 @@ def _records(out_dir):
     return [json.loads(line) for line in f]
 
 
-def test_a_short_streak_is_skipped_and_counted(tmp_path, monkeypatch):
-  _poison(monkeypatch, {5, 6})
+def test_a_short_streak_is_skipped_and_a_long_one_restores_the_checkpoint_before_it(tmp_path, monkeypatch, capsys):
+  _poison(monkeypatch, {2, 3, 6, 7, 8})
   summary = jobs.train_config(_tiny(), str(tmp_path), progress=False, report=False)
-  assert summary["nonfinite"]["skipped_steps"] == [5, 6] and summary["nonfinite"]["restores"] == []
-  nonfinite = {r["step"]: r["nonfinite"] for r in _records(tmp_path) if "nonfinite" in r}
-  assert [s for s, bad in sorted(nonfinite.items()) if bad] == [5, 6] and len(nonfinite) == 12
-  assert np.isfinite(summary["tasks"]["click"]["eval_ne"])
-
-
-def test_a_long_streak_restores_the_checkpoint_before_it(tmp_path, monkeypatch, capsys):
-  _poison(monkeypatch, {6, 7, 8})
-  summary = jobs.train_config(_tiny(), str(tmp_path), progress=False, report=False)
-  # Detected when step 8's metrics are read, which checkpoint step 8 does before it saves (nothing in flight):
-  # the restore goes back to 4, the newest from before the streak, and checkpoint 8 holds the restored state.
+  # Steps 2 and 3 (a streak under train.nonfinite_patience) are skipped, and that streak does not count
+  # towards the next. 6..8 is detected when step 8's metrics are read, which checkpoint step 8 does before it
+  # saves (nothing in flight): the restore goes back to 4, the newest from before the streak, and checkpoint
+  # 8 holds the restored state.
   [restore] = summary["nonfinite"]["restores"]
   assert restore == {"at_step": 8, "streak": [6, 8], "restored_step": 4, "updates_discarded": 1}
-  assert summary["nonfinite"]["skipped_steps"] == [6, 7, 8]
+  assert summary["nonfinite"]["skipped_steps"] == [2, 3, 6, 7, 8]
   assert "3 consecutive non-finite steps (6..8" in capsys.readouterr().out
   records = _records(tmp_path)
   assert [r for r in records if r.get("event") == "nonfinite_restore"][0]["restored_step"] == 4
+  nonfinite = {r["step"]: r["nonfinite"] for r in records if "nonfinite" in r}
+  assert sorted(nonfinite) == list(range(1, 13)) and [s for s in (2, 3) if nonfinite[s]] == [2, 3]
   assert max(r["step"] for r in records if "loss" in r) == 12
   assert np.isfinite(summary["tasks"]["click"]["eval_ne"])
 

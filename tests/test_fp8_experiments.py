@@ -41,10 +41,11 @@ def test_probe_gives_rows_and_a_usable_proposal(capsys):
 def test_parity_over_seeds_reports_gaps_a_noise_floor_and_the_same_numbers_in_parallel(tmp_path):
   # bf16 against "none" (no policy): the parity machinery is the same for every policy, and an FP8 policy's
   # CPU compile costs a minute more (FP8 training itself: test_precision_policy.py, the bench test below).
-  # tiny's own schedule (20 steps, warmup 2), one layer: the bf16 run's step is then the very program
-  # test_parity_step_memory compiles (the session's compilation cache serves it to both, and to the workers).
-  cfg = apply_overrides(configs.get("tiny"), ["train.eval_every=100", "train.checkpoint_every=100",
-                                               "model.precision.min_dim=16", *ONE_LAYER])
+  # 6 steps of one-layer tiny: the bf16 run's step is the very program test_parity_step_memory compiles (the
+  # schedule's numbers are train state, not constants of the program; the session's compilation cache serves
+  # it to both, and to the workers).
+  cfg = apply_overrides(configs.get("tiny"), ["train.steps=6", "train.warmup_steps=1", "train.eval_every=100",
+                                               "train.checkpoint_every=100", "model.precision.min_dim=16", *ONE_LAYER])
   data = fp8_parity.parity(cfg, ["bf16", "none"], str(tmp_path / "runs"), str(tmp_path / "parity.json"),
                            seeds=2, jobs=2)
   assert data["baseline"] == "bf16" and set(data["policies"]) == {"bf16", "none"} and data["seeds"] == [0, 1]

@@ -79,9 +79,9 @@ def _env(tmp_path):
 
 
 def test_a_section_killed_at_its_limit_keeps_what_it_recorded(tmp_path):
-  s = gpu_check.run_section("sleepy", str(tmp_path), _env(tmp_path), 8, True, str(tmp_path / "log"),
+  s = gpu_check.run_section("sleepy", str(tmp_path), _env(tmp_path), 4, True, str(tmp_path / "log"),
                             module="tests.gpu_check_helpers")
-  assert s["status"] == "timed_out" and s["records"] == [{"i": 0}] and "8 s" in s["error"]
+  assert s["status"] == "timed_out" and s["records"] == [{"i": 0}] and "4 s" in s["error"]
   assert "first record written" in (tmp_path / "log").read_text()
 
 

@@ -95,7 +95,7 @@ def test_a_layout_that_does_not_fit_is_never_ranked_first(small, small_plan):
     empty.best
 
 
-def test_written_mesh_loads_and_round_trips(small_plan, tmp_path):
+def test_written_mesh_loads_and_round_trips(small, small_plan, tmp_path):
   p = small_plan
   text = cluster_text.to_yaml(p, p.best, "plan_small_16", "python experiments/plan_mesh.py ...")
   path = tmp_path / "plan_small_16.yaml"
@@ -106,7 +106,7 @@ def test_written_mesh_loads_and_round_trips(small_plan, tmp_path):
     assert getattr(spec, field) == getattr(p.best.mesh_spec, field), field
   assert plan_lib.Layout.of(spec) == p.best.layout
   assert text.startswith("# Planned by")
-  again = sim_lib.simulate(configs.get("small"), spec)
+  again = sim_lib.simulate(configs.get("small"), spec, shapes=small[1])
   assert math.isclose(again["time"]["step_s"], p.best.step_s, rel_tol=1e-9)
 
 
@@ -219,10 +219,12 @@ def test_smallest_finds_the_fewest_nodes_that_fit_and_host_tables_lower_it():
   preset = dataclasses.replace(h200, hardware=dataclasses.replace(h200.hardware, hbm_bytes=9.0e6))
   cfg = apply_overrides(configs.get("small"), ["data.pipeline.batch_size=64"])
   seen = []
-  found, tried = plan_lib.smallest(cfg, preset, max_devices=32, on_count=lambda d, w: seen.append((d, w)))
+  shapes = sim_lib.model_shapes(cfg)   # read once for both of cfg's searches
+  found, tried = plan_lib.smallest(cfg, preset, max_devices=32, on_count=lambda d, w: seen.append((d, w)),
+                                   shapes=shapes)
   assert found.devices == 16 and tried == seen == [(8, 0), (16, len(found.ranked))] and found.ranked
   hosted = apply_overrides(cfg, ["train.host_tables=user_id,ad_id"])
   found, tried = plan_lib.smallest(hosted, preset, max_devices=32)
   assert found.devices == 8 and tried == [(8, len(found.ranked))] and found.ranked
   tight = dataclasses.replace(preset, hardware=dataclasses.replace(preset.hardware, hbm_bytes=1e6))
-  assert plan_lib.smallest(cfg, tight, max_devices=16) == (None, [(8, 0), (16, 0)])
+  assert plan_lib.smallest(cfg, tight, max_devices=16, shapes=shapes) == (None, [(8, 0), (16, 0)])

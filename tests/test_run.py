@@ -26,7 +26,7 @@ from gem_jax.parallel import placement
 from gem_jax.run import tasks
 from gem_jax.run.build import build
 from gem_jax.train import trainer
-from gem_jax.train.jobs import train_config
+from gem_jax.train.jobs import standard_hooks, train_config
 from tests.run_helpers import tiny
 
 
@@ -189,7 +189,7 @@ def test_an_in_test_source_and_task_train_resume_and_select_through_the_trainer(
                           "train.learning_rate": 0.01, "train.checkpoint_every": 2})
   run = build(cfg)
   before = trainer.evaluate(run, run.state.params, "holdout")
-  whole = train_config(cfg, str(tmp_path / "whole"), progress=False, report=False)
+  whole = trainer.train(run, str(tmp_path / "whole"), standard_hooks(run, progress=False, report=False))
   assert whole["steps"] == 6 and whole["selected"]["step"] in (3, 6)
   final = whole["eval"]["holdout"]
   assert final["count"] == before["count"] > 0

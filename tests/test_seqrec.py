@@ -314,7 +314,7 @@ def test_shared_negatives_read_normalized_rows_like_the_normalized_table(tmp_pat
   cfg = apply_overrides(configs.seqrec("ml-100k", quick=True), [
       f"data.data_dir={toy_u_data(tmp_path)}", "data.batch_size=8", "data.uniform_negatives=6",
       "data.batch_negatives=2", "data.token_multiple=64"])
-  run = build(cfg)
+  run = build(cfg, abstract=True)   # its source and task
   batch = run.source.first_batch()
   model = SeqRecModel(cfg.model, run.source.num_items, rngs=nnx.Rngs(0))
   raw = model.item_emb_IxD[...]

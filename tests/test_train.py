@@ -42,15 +42,15 @@ def _count_step_traces(monkeypatch) -> list:
 
 @pytest.mark.slow
 def test_tiny_run_writes_outputs_and_resume_is_exact_in_either_hook_order(tmp_path, monkeypatch):
-  """A run's outputs; the run stopped after step 8 (a checkpoint and an evaluation on the same step) and
-  resumed gives the same losses and summary bit for bit; and with the standard hooks reversed, stopped and
-  resumed the same way, the same metrics.jsonl records (timings aside: keys and every other value) and the
-  same evaluations: hook order does not matter."""
+  """A run's outputs; the same run with the standard hooks reversed, stopped after step 8 (a checkpoint and an
+  evaluation on the same step) and resumed, gives the same losses, summary and evaluations bit for bit and the
+  same metrics.jsonl records (timings aside: keys and every other value): resume is exact and hook order does
+  not matter (tests/test_fault_tolerance.py's drill resumes in the standard order)."""
   from gem_jax.run.build import build
   from gem_jax.train import trainer
   from gem_jax.train.jobs import standard_hooks
   cfg = _tiny(**{"train.eval_every": 4, "train.select_metric": "click/ne"})   # best/ too, in either order
-  full, part = str(tmp_path / "full"), str(tmp_path / "part")
+  full = str(tmp_path / "full")
   summary = train(cfg, full, progress=False)
   check_run_report(full, num_devices=1)
   assert set(summary["efficiency"]) >= {"mfu", "padding_waste", "step_time_s"}
@@ -64,41 +64,36 @@ def test_tiny_run_writes_outputs_and_resume_is_exact_in_either_hook_order(tmp_pa
     assert json.load(f)["steps"] == STEPS
   assert os.listdir(os.path.join(full, "checkpoints"))
 
-  # Interrupted after step 8, then resumed: the same losses, bit for bit. Each of the two runs traces its
-  # train step once: the state build() places, and the restored one, have the shardings the step returns
-  # (else jit traces and compiles the step again at the second step).
+  # With the standard hooks reversed, interrupted after step 8 (the first part resumes from an empty folder,
+  # so it starts at step 0), then resumed: the same losses, bit for bit. Each of the two runs traces its train
+  # step once: the state build() places, and the restored one, have the shardings the step returns (else jit
+  # traces and compiles the step again at the second step).
+  def reversed_run(**kw):
+    r = build(cfg)
+    return trainer.train(r, str(tmp_path / "reversed"), standard_hooks(r, progress=False)[::-1], **kw)
+
   traces = _count_step_traces(monkeypatch)
   t0 = time.perf_counter()
-  train(cfg, part, progress=False, stop_after=8)
+  stopped = reversed_run(stop_after=8, resume=True)
   first_process_s = time.perf_counter() - t0
-  assert max(_losses(part)) == 8 and len(traces) == 1
-  assert not os.path.exists(os.path.join(part, "report.json"))   # a stopped run writes no report
-  resumed = train(cfg, part, resume=True, progress=False, report=False)
+  assert stopped["steps_this_run"] == 8 and max(_losses(tmp_path / "reversed")) == 8 and len(traces) == 1
+  assert not os.path.exists(tmp_path / "reversed" / "report.json")   # a stopped run writes no report
+  resumed = reversed_run(resume=True)
   assert len(traces) == 2
   # The run's wall time counts the first process through its checkpoint at step 8, not this process alone.
   before = resumed["wall_s"] - resumed["wall_s_this_run"]
   assert 0 < before <= first_process_s, (before, first_process_s)
-  expected, got = _losses(full), _losses(part)
+  expected, got = _losses(full), _losses(tmp_path / "reversed")
   assert sorted(got) == list(range(1, STEPS + 1))
   for step in range(1, STEPS + 1):
     assert got[step] == expected[step], (step, got[step], expected[step])
   # The summary too, to the bit: the base rate behind baseline_ne comes from label counters summed in float32
   # before and after the restore (restored as float64 they moved it in the ninth digit).
+  assert fault_drill.identical(resumed["evaluations"], summary["evaluations"])
   assert fault_drill.identical(json.loads(json.dumps(resumed["tasks"])), json.loads(json.dumps(summary["tasks"])))
-  assert fault_drill.identical(resumed["evaluations"], summary["evaluations"])
-
-  def reversed_run(**kw):
-    r = build(cfg)
-    return trainer.train(r, str(tmp_path / "reversed"), standard_hooks(r, progress=False)[::-1], **kw)
-
-  reversed_run(stop_after=8)
-  resumed = reversed_run(resume=True)
-  assert fault_drill.identical(resumed["evaluations"], summary["evaluations"])
   # best/ of step 8 is the checkpoint's own: nothing to drop and replay, whichever hook restores first.
-  replayed = lambda folder: [r for r in map(json.loads, open(tmp_path / folder / "metrics.jsonl"))
-                             if r.get("event") == "best_replayed"]
-  assert replayed("reversed") == replayed("part") == []
-  assert fault_drill.identical(json.loads(json.dumps(resumed["tasks"])), json.loads(json.dumps(summary["tasks"])))
+  assert not [r for r in map(json.loads, open(tmp_path / "reversed" / "metrics.jsonl"))
+              if r.get("event") == "best_replayed"]
   # The meter's numbers: timings, and rank imbalance only in a run that writes a report (not the stopped one).
   metered = ("examples_per_s", "step_time_s", "mfu", "hfu", "imbalance_balanced", "imbalance_random")
   records = lambda folder: [{k: v for k, v in r.items() if k not in metered}
@@ -108,14 +103,9 @@ def test_tiny_run_writes_outputs_and_resume_is_exact_in_either_hook_order(tmp_pa
   # Whichever runs first, the log writes what the meter adds to the step (the resumed part is metered).
   late = [r for r in map(json.loads, open(tmp_path / "reversed" / "metrics.jsonl")) if "loss" in r and r["step"] >= 10]
   assert late and all("step_time_s" in r and "imbalance_balanced" in r for r in late), late[0].keys()
-
-
-def test_resume_from_an_empty_folder_starts_at_step_zero(tmp_path):
-  summary = train(_tiny(**{"train.steps": 2}), str(tmp_path), resume=True,
-                  progress=False, report=False)
-  assert summary["steps_this_run"] == 2
+  # A folder that holds checkpoints is not trained into again without resume.
   with pytest.raises(FileExistsError, match="--resume"):
-    train(_tiny(**{"train.steps": 2}), str(tmp_path), progress=False)
+    train(cfg, full, progress=False, report=False)
 
 
 @pytest.mark.parametrize("flags,message", [
