@@ -32,8 +32,8 @@ CPU8_SETS = {"train.steps": 8, "train.warmup_steps": 1, "train.log_every": 1, "t
              "train.checkpoint_every": 4, "train.eval_examples": 512}
 
 
-def tiny_cpu8_config():
-  return tiny("mesh=meshes/cpu_8.yaml", **CPU8_SETS)
+def tiny_cpu8_config(*sets: str):
+  return tiny("mesh=meshes/cpu_8.yaml", *sets, **CPU8_SETS)
 
 
 RUN_NUMBERS = ("model_tflops_per_step", "executed_tflops_per_step", "optimizer_tflops_per_step", "padding_waste",
