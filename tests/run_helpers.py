@@ -27,9 +27,11 @@ def tiny(*sets: str, **named):
 # per session, whichever worker asks first): the single-process reference of the multi-process run, a user's
 # cpu_8 efficiency report, and the checkpoint the resharding restore reads on other meshes.
 # Tables by the sparse engine (the default), so its row sync runs across processes and its state is
-# checkpointed and restored on other meshes.
+# checkpointed and restored on other meshes. One GEM layer: what these tests check is how the run is laid out
+# over devices and processes, and a second layer only adds compile time to each of their processes.
 CPU8_SETS = {"train.steps": 8, "train.warmup_steps": 1, "train.log_every": 1, "train.eval_every": 4,
-             "train.checkpoint_every": 4, "train.eval_examples": 512}
+             "train.checkpoint_every": 4, "train.eval_examples": 512, "model.num_layers": 1,
+             "model.hstu.keep_last": "[32]"}
 
 
 def tiny_cpu8_config(*sets: str):

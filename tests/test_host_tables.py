@@ -318,16 +318,18 @@ def test_a_write_back_before_the_first_batch_keeps_row_zero():
 def test_the_multi_process_fault_drill_resumes_host_tables_bit_for_bit(tmp_path):
   """experiments/fault_drill.py --processes 2 on cpu_2 (each process owns half of every table's rows) with
   ad_id and user_id in host memory behind 20% caches (ad_id evicts from the first steps): process 0 (the
-  coordinator) killed at step 7, after checkpoint 4 was committed; process 1 is ended at once
-  (grace 0), the group restarts from checkpoint 4 (the host tables' stores restored from it), and the
-  resumed run is bit for bit the unbroken one, which is one process holding both devices (`--reference one`:
-  one compile where a group start costs two, and so the group also trains exactly what one process trains).
-  One kill keeps the test to two group starts; the kinds of kill point are the single-process drill's
-  (tests/test_fault_tolerance.py), and `--kills 3` on this mesh is the command in the README."""
+  coordinator) killed at step 7, after checkpoint 4 was committed; process 1 is ended at once (grace 0), the
+  group restarts from checkpoint 4 (the host tables' stores restored from it), and the resumed run is bit for
+  bit the unbroken one, which is one process holding both devices (`--reference one`: one compile where a
+  group start costs two, and so the group also trains exactly what one process trains). One kill keeps the
+  test to two group starts, and one GEM layer each start's compile short; the kinds of kill point are the
+  single-process drill's (tests/test_fault_tolerance.py), and `--kills 3` on this mesh is the command in the
+  README."""
   out = tmp_path / "drill.json"
   cmd = [sys.executable, "experiments/fault_drill.py", "--processes", "2", "--mesh", "meshes/cpu_2.yaml", "--kills",
          "1", "--steps", "8", "--seed", "0", "--grace", "0", "--set", "train.host_tables=user_id,ad_id", "--set",
-         "train.host_cache_fraction=0.2", "--set", "train.eval_examples=64", "--reference", "one", "--timeout",
+         "train.host_cache_fraction=0.2", "--set", "train.eval_examples=64", "--set", "model.num_layers=1", "--set",
+         "model.hstu.keep_last=[32]", "--reference", "one", "--timeout",
          "300", "--out", str(out), "--workdir", str(tmp_path / "runs")]
   proc = subprocess.run(cmd, cwd=ROOT, env=run_helpers.child_env(), capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
