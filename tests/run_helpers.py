@@ -18,6 +18,10 @@ def child_env(cpu_devices: int | None = None, **extra) -> dict:
               XLA_FLAGS=distributed.cpu_device_flags(os.environ.get("XLA_FLAGS"), cpu_devices), **extra)
 
 
+# One GEM layer of tiny ("key=value" sets): for tests of what does not depend on the model's depth.
+ONE_LAYER = ("model.num_layers=1", "model.hstu.keep_last=[32]")
+
+
 def tiny(*sets: str, **named):
   """The tiny config with `sets` ("key=value") and `named` ({"train.steps": 3}) applied together."""
   return apply_overrides(configs.get("tiny"), list(sets) + [f"{k}={v}" for k, v in named.items()])

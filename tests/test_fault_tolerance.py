@@ -17,16 +17,15 @@ from gem_jax.data.sources import SyntheticSource
 from gem_jax.run.build import build
 from gem_jax.train import fault_drill, jobs
 from gem_jax.train.hooks import NonFiniteError
-from tests.run_helpers import CPU8_SETS, child_env, tiny
+from tests.run_helpers import CPU8_SETS, ONE_LAYER, child_env, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tiny(**overrides):
   """12 steps of one-layer tiny (the guard and the restores do not depend on the model's depth)."""
-  return tiny(**{"train.warmup_steps": 1, "train.steps": 12, "train.log_every": 1, "train.checkpoint_every": 4,
-                 "train.eval_every": 100, "train.eval_examples": 128, "train.nonfinite_patience": 3,
-                 "model.num_layers": 1, "model.hstu.keep_last": "[32]", **overrides})
+  return tiny(*ONE_LAYER, **{"train.warmup_steps": 1, "train.steps": 12, "train.log_every": 1, "train.checkpoint_every": 4,
+                 "train.eval_every": 100, "train.eval_examples": 128, "train.nonfinite_patience": 3, **overrides})
 
 
 def _bits(tree):

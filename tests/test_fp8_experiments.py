@@ -19,9 +19,7 @@ from gem_jax import configs
 from gem_jax.bench import fp8_parity, fp8_probe
 from gem_jax.config import apply_overrides
 from gem_jax.data import pipeline
-
-# The jobs' machinery does not depend on the depth: tiny with one GEM layer compiles in half the time.
-ONE_LAYER = ("model.num_layers=1", "model.hstu.keep_last=[32]")
+from tests.run_helpers import ONE_LAYER  # the jobs' machinery does not depend on the depth: half the compile
 
 
 @pytest.mark.slow

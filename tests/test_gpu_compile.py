@@ -22,6 +22,7 @@ import gem_jax
 from gem_jax import configs, xla_env
 from gem_jax.config import apply_overrides
 from gem_jax.observe import gpu_compile
+from tests.run_helpers import ONE_LAYER
 
 PLUGIN = importlib.util.find_spec("jax_plugins") is not None and xla_env.cuda_plugin_installed()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -40,7 +41,7 @@ def two_hosts():
   in MXFP8 (the Pallas MX kernel) and the heads' trunk row-wise (XLA's own FP8 GEMM). Tiny's dims are under
   the fp8 policy's min_dim, which would leave every site in bf16; a few sites keep the compile short (each
   FP8 GEMM is a kernel of its own)."""
-  return gpu_compile.compile_for(tiny_on("h200_2x4", "model.num_layers=1", "model.hstu.keep_last=[32]",
+  return gpu_compile.compile_for(tiny_on("h200_2x4", *ONE_LAYER,
                                         'model.precision.rules=["*hstu.uvqk=mxfp8_rceil", "heads.trunk=rowwise"]'))
 
 

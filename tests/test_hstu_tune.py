@@ -102,7 +102,7 @@ def test_a_run_with_auto_tiles_reports_its_picks(tmp_path, monkeypatch):
   tuner = tune.Tuner(str(tmp_path / "tiles.json"), candidates=TWO, reps=1)
   monkeypatch.setattr(tune, "default", lambda: tuner)
   # One GEM layer: each of its attention shapes is a bucket the tuner times two candidates for.
-  cfg = run_helpers.tiny("model.hstu.attn_tiles=auto", "model.num_layers=1", "model.hstu.keep_last=[32]",
+  cfg = run_helpers.tiny("model.hstu.attn_tiles=auto", *run_helpers.ONE_LAYER,
                          **{"train.steps": 2, "train.warmup_steps": 1, "train.eval_every": 2,
                             "train.checkpoint_every": 2, "train.log_every": 1})
   jobs.train_config(cfg, str(tmp_path / "run"), progress=False)
