@@ -24,8 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _tiny(**overrides):
   """12 steps of one-layer tiny (the guard and the restores do not depend on the model's depth)."""
-  return tiny(*ONE_LAYER, **{"train.warmup_steps": 1, "train.steps": 12, "train.log_every": 1, "train.checkpoint_every": 4,
-                 "train.eval_every": 100, "train.eval_examples": 128, "train.nonfinite_patience": 3, **overrides})
+  return tiny(*ONE_LAYER, **{"train.warmup_steps": 1, "train.steps": 12, "train.log_every": 1,
+                             "train.checkpoint_every": 4, "train.eval_every": 100, "train.eval_examples": 128,
+                             "train.nonfinite_patience": 3, **overrides})
 
 
 def _bits(tree):
