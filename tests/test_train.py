@@ -120,3 +120,20 @@ def test_the_train_command_refuses_flags_it_would_ignore(flags, message):
   proc = subprocess.run([sys.executable, os.path.join(root, "experiments", "train.py"), *flags], capture_output=True,
                         text=True, timeout=120)
   assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_resumed_log_keeps_its_history_on_disk_before_any_new_record(tmp_path):
+  """metrics.jsonl of a resumed run: the records through the checkpoint are on disk as soon as the writer
+  exists (a kill before the first new record loses nothing), later ones are dropped, and new ones append."""
+  from gem_jax.train.trainer import JsonlWriter
+  path = tmp_path / "metrics.jsonl"
+  records = [{"step": 5, "loss": 1.0}, {"eval_step": 10, "valid/HR@10": 0.2}, {"step": 15, "loss": 0.9},
+             {"step": 10, "final_eval": True}]
+  path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 20, "lo')  # a write cut short
+  writer = JsonlWriter(str(path), resume_step=10)
+  on_disk = [json.loads(line) for line in path.read_text().splitlines()]
+  assert on_disk == records[:2]
+  writer.write({"step": 11, "loss": 0.8})
+  assert [json.loads(line) for line in path.read_text().splitlines()] == records[:2] + [{"step": 11, "loss": 0.8}]
+  writer.close()
+  assert not os.path.exists(str(path) + ".tmp")

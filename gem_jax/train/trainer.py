@@ -36,8 +36,8 @@ def jsonable(tree) -> Any:
 
 class JsonlWriter:
   """metrics.jsonl; on resume from step k, records past k (written after that checkpoint by the run that
-  stopped) are dropped so that every step appears once. path None: write nothing (processes other
-  than 0)."""
+  stopped) are dropped so that every step appears once, and the file is replaced only once the kept
+  records are on disk. path None: write nothing (processes other than 0)."""
 
   def __init__(self, path: str | None, resume_step: int | None):
     self._f = None
@@ -56,8 +56,15 @@ class JsonlWriter:
           raise ValueError(f"{path}:{i + 1}: not a JSON record: {line[:80]!r}") from None
         if record.get("step", record.get("eval_step", 0)) <= resume_step and "final_eval" not in record:
           kept.append(line if line.endswith("\n") else line + "\n")
-    self._f = open(path, "w")
-    self._f.writelines(kept)
+    # The kept records reach the disk before the old file goes: a run killed before its first new record
+    # (a resume, then a kill during compile) must not lose the history it resumed from.
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(kept)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+    self._f = open(path, "a")
 
   def write(self, record: dict) -> None:
     if self._f is not None:
