@@ -130,11 +130,18 @@ def compile_cache(tmp_path_factory):
 def tiny_cpu8_run(tmp_path_factory):
   """(config, run folder, console log) of run_helpers.tiny_cpu8_config() trained once per session, with its
   efficiency report. The first xdist worker that asks trains it under a file lock in the session's shared
-  folder; a worker that asks later (or meanwhile) waits for the lock and reads the same folder."""
+  folder; a worker that asks later (or meanwhile) waits for the lock and reads the same folder. The run
+  folder's count_only_traces.json lists the batch shape of every count-only trace of the task (what
+  tests/test_sparse_engine.py checks), recorded by a wrapper that changes nothing else."""
   import contextlib
   import fcntl
   import io
+  import json
 
+  import jax
+
+  from gem_jax import runtime
+  from gem_jax.run import tasks
   from gem_jax.train import jobs
   from tests import run_helpers
   base = tmp_path_factory.getbasetemp()
@@ -144,10 +151,18 @@ def tiny_cpu8_run(tmp_path_factory):
   with open(root / "tiny_cpu8_run.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not done.exists():
-      log = io.StringIO()
-      with contextlib.redirect_stdout(log):
+      log, seen, original = io.StringIO(), [], tasks.AdsMultiTask.sums
+
+      def sums(self, model, batch, rng):
+        if runtime.current().count_only:
+          seen.append([[list(x.shape), str(x.dtype)] for x in jax.tree_util.tree_leaves(batch)])
+        return original(self, model, batch, rng)
+
+      with contextlib.redirect_stdout(log), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tasks.AdsMultiTask, "sums", sums)
         jobs.train_config(cfg, str(out), progress=False)
       log_path.write_text(log.getvalue())
+      (out / "count_only_traces.json").write_text(json.dumps(seen))
       done.touch()
   return cfg, out, log_path
 

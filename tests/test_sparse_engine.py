@@ -2,6 +2,7 @@
 (gem_jax/run/table_optim.py), and the owner exchange of row gradients (parallel/sparse.send_to_owners)."""
 
 import dataclasses
+import json
 import re
 
 import jax
@@ -248,24 +249,15 @@ def test_the_embedding_benchmark_counts_distinct_rows_and_its_ids_are_skewed():
 
 
 @pytest.mark.slow
-def test_a_20_step_run_traces_the_model_count_only_once_per_batch_shape(tmp_path, monkeypatch):
-  """A 20-step run on cpu_8 through the trainer: the capacities at build, the sparse engine's lookup calls in
-  every step trace, the meter's FLOP model and its second lowering of the step, the evaluation. Every
-  count-only trace of the task (nothing runs: lookups, attention and truncations recorded) is of a batch
-  shape not traced before."""
-  from gem_jax import runtime
-  from gem_jax.run import tasks
-  from gem_jax.train.jobs import train_config
-  seen = []
-  original = tasks.AdsMultiTask.sums
-
-  def sums(self, model, batch, rng):
-    if runtime.current().count_only:
-      seen.append(tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree_util.tree_leaves(batch)))
-    return original(self, model, batch, rng)
-
-  monkeypatch.setattr(tasks.AdsMultiTask, "sums", sums)
-  train_config(tiny("mesh=meshes/cpu_8.yaml", **{"train.steps": 20, "train.log_every": 5, "train.eval_every": 10,
-                                                 "train.eval_examples": 128, "train.checkpoint_every": 100}),
-               str(tmp_path / "run"), progress=False)
-  assert seen and len(seen) == len(set(seen)), [s[0] for s in seen]
+def test_a_run_traces_the_model_count_only_once_per_batch_shape(tiny_cpu8_run):
+  """The session's run on cpu_8 through the trainer (conftest.py tiny_cpu8_run: 8 steps, evaluations at 4 and
+  8, checkpoints, the efficiency report): the capacities at build, the sparse engine's lookup calls in every
+  step trace, the meter's FLOP model and its second lowering of the step, the evaluations. Every count-only
+  trace of the task (nothing runs: lookups, attention and truncations recorded) is of a batch shape not
+  traced before (without LookupTrace's memo, a shape is traced twice and this fails)."""
+  cfg, run_dir, _ = tiny_cpu8_run
+  seen = [json.dumps(s) for s in json.loads((run_dir / "count_only_traces.json").read_text())]
+  assert seen and len(seen) == len(set(seen)), [s[:80] for s in seen]
+  with open(run_dir / "metrics.jsonl") as f:
+    steps = [r for r in map(json.loads, f) if "loss" in r and "step" in r]
+  assert len(steps) == cfg.train.steps
