@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from gem_jax.train import checkpoint as checkpoint_lib
 from gem_jax.train.checkpoint import CheckpointCorruptError, Checkpointer, fingerprint
 from tests.run_helpers import child_env
 
@@ -247,6 +248,27 @@ def test_fingerprint_does_not_depend_on_the_layout():
     assert not np.array_equal(fingerprint({"x": x}), fingerprint({"x": swapped}))
 
 
+def test_host_hashes_equal_the_jitted_ones_for_every_dtype_and_across_chunks(monkeypatch):
+  """On CPU the hashes come leaf by leaf (checkpoint._fingerprint: numpy, or a jitted pass per large leaf);
+  they must be the one jitted pass's bits, for every itemsize, either way, and for numpy leaves (host
+  tables)."""
+  monkeypatch.setattr(checkpoint_lib, "_HOST_WORDS", 9)  # x (45 words) and its casts take the per-leaf jit
+  key = jax.random.key(3)
+  x = jax.random.normal(key, (5, 9))
+  leaves = [x, x.astype(jnp.bfloat16), x.astype(jnp.float8_e4m3fn), (x * 100).astype(jnp.int8),
+            (x * 1e4).astype(jnp.int32), jax.random.key_data(key), x > 0, jnp.zeros((0, 3)), jnp.float32(2.5),
+            np.asarray(x * 3), jnp.arange(4, dtype=jnp.uint32)]
+  assert all(checkpoint_lib._on_host(leaf) for leaf in leaves)
+  host = np.asarray(checkpoint_lib._fingerprint(leaves))
+  np.testing.assert_array_equal(host, np.asarray(checkpoint_lib._fingerprint_jit(leaves)))
+  assert len({tuple(h) for h in host.tolist()}) == len(leaves)  # the empty leaf: (0, 0)
+  monkeypatch.setattr(checkpoint_lib, "_HOST_WORDS", 1 << 16)  # every leaf in numpy
+  np.testing.assert_array_equal(host, np.asarray(checkpoint_lib._fingerprint(leaves)))
+  moved = np.asarray(x).copy()
+  moved[4, 8] += 1                               # the last word
+  assert not np.array_equal(checkpoint_lib._leaf_hash_host(moved), host[0])
+
+
 _KILL_MID_SAVE = r"""
 import os, signal, sys
 import jax, jax.numpy as jnp
@@ -284,7 +306,6 @@ def test_restore_refuses_a_dtype_only_mismatch_and_a_wrong_weighted_hash(tmp_pat
   """A target leaf that differs from the saved one only in dtype is refused by name; and the weighted
   (second) hash column counts on its own: a restore whose recomputed weighted sums differ while the plain
   sums agree (two words swapped) is refused as corrupt."""
-  from gem_jax.train import checkpoint as checkpoint_lib
   state = _state(3)
   abstract = jax.eval_shape(lambda: state)
   with Checkpointer(tmp_path / "c", keep=1, save_every=1) as ckpt:
