@@ -19,7 +19,8 @@ def test_every_registered_impl_and_both_baselines_get_a_record():
   want = {(k, i, p) for k, names in (("hstu_attention", ops.hstu_impls()),
                                      ("jagged_softmax_attention", ops.softmax_impls()))
           for i in names if i != "reference" for p in ("fwd", "fwd+bwd")}
-  want |= {(k, i, p) for k, i in (("padded_softmax_baseline", "dense"), ("dot_product_attention", "xla"))
+  want |= {(k, i, p) for k, i in (("padded_softmax_baseline", "dense"), ("padded_hstu_baseline", "dense"),
+                                  ("dot_product_attention", "xla"))
            for p in ("fwd", "fwd+bwd")}
   assert got == want
   for r in records:
@@ -31,7 +32,14 @@ def test_every_registered_impl_and_both_baselines_get_a_record():
     if r["pass"] == "fwd":
       assert r["max_rel_err"] <= 1e-5, r
   ratios = attention.speedups(records)
-  assert ratios and all(math.isfinite(x["vs_padded"]) and math.isfinite(x["vs_cudnn"]) for x in ratios)
+  assert ratios and all(math.isfinite(x[k]) for x in ratios for k in ("vs_padded", "vs_padded_same_op", "vs_cudnn"))
+  # Each impl against the padded baseline of its own operation, and every impl against the softmax one.
+  ms = {(r["kernel"], r["pass"]): r["median_ms"] for r in records if r["impl"] in ("xla", "dense")}
+  for x in ratios:
+    if x["impl"] == "xla":
+      own = ms[("padded_hstu_baseline" if x["kernel"] == "hstu_attention" else "padded_softmax_baseline", x["pass"])]
+      assert x["vs_padded_same_op"] == own / ms[(x["kernel"], x["pass"])]
+      assert x["vs_padded"] == ms[("padded_softmax_baseline", x["pass"])] / ms[(x["kernel"], x["pass"])]
 
 
 def test_the_padded_baseline_is_skipped_above_its_memory_limit():
@@ -39,8 +47,8 @@ def test_the_padded_baseline_is_skipped_above_its_memory_limit():
   impls = {"hstu_attention": {"xla": ops.hstu_impl("xla")}}
   records = attention.bench_shape(shape, impls=impls, reps=1, peak=1e10, rng=np.random.default_rng(0),
                                   dense_limit_bytes=100)
-  padded = [r for r in records if r["kernel"] == "padded_softmax_baseline"]
-  assert len(padded) == 2 and all("GB" in r["skipped"] for r in padded)
+  padded = [r for r in records if r["kernel"] in ("padded_softmax_baseline", "padded_hstu_baseline")]
+  assert len(padded) == 4 and all("GB" in r["skipped"] for r in padded)
   # Without the dense reference the forward is checked against the tiled XLA path.
   assert next(r for r in records if r["kernel"] == "hstu_attention" and r["pass"] == "fwd")["max_rel_err"] == 0.0
 

@@ -1,4 +1,4 @@
-"""Jagged attention benchmark: every registered impl of gem_jax.ops side by side with two padded baselines.
+"""Jagged attention benchmark: every registered impl of gem_jax.ops side by side with padded baselines.
 
 For one Shape (B rows, max length N, H heads, head width D, "full" or "heavy"-tailed lengths) and each impl
 it times the forward and the forward + backward and writes one record per (kernel, impl, pass):
@@ -6,6 +6,8 @@ median_ms, real_tflops (FLOPs of the unmasked causal pairs only / time, so paddi
 nothing), pct_of_peak, and max_rel_err of the forward against the reference. The baselines are what runs
 without jagged kernels:
   padded_softmax_baseline  dense softmax attention over B x N x N (the jagged softmax reference)
+  padded_hstu_baseline     dense HSTU attention over B x N x N (the HSTU reference: the same operation as
+                           the HSTU impls, padded)
   dot_product_attention    jax.nn.dot_product_attention on the padded B x N x H x D layout with per-row
                            lengths and a causal mask: cuDNN flash attention on GPU, XLA elsewhere
                            (inputs already padded: the jagged-to-padded copy is not timed)
@@ -170,6 +172,10 @@ def bench_shape(shape: Shape, *, impls: dict, reps: int, peak: float, dtype=jnp.
   padded = (softmax_reference.jagged_softmax_attention if dense_bytes <= dense_limit_bytes else
             f"one f32 B x H x N x N array would take {dense_bytes / 1e9:.1f} GB")
   both_passes("padded_softmax_baseline", "dense", padded, softmax_ref, skw)
+  if impls.get("hstu_attention"):
+    padded = (hstu_reference.hstu_attention if dense_bytes <= dense_limit_bytes else
+              f"one f32 B x H x N x N array would take {dense_bytes / 1e9:.1f} GB")
+    both_passes("padded_hstu_baseline", "dense", padded, hstu_ref, hkw)
 
   fn, padded_qkv, impl = _cudnn_baseline(q, k, v, lengths, shape)
   cudnn = jax.jit(fn)
@@ -197,18 +203,26 @@ def bench_shape(shape: Shape, *, impls: dict, reps: int, peak: float, dtype=jnp.
   return records
 
 
+BASELINES = ("padded_softmax_baseline", "padded_hstu_baseline", "dot_product_attention")
+SAME_OP = {"hstu_attention": "padded_hstu_baseline", "jagged_softmax_attention": "padded_softmax_baseline"}
+
+
 def speedups(records: list[dict]) -> list[dict]:
-  """Per shape and pass: each impl's time against the padded softmax baseline and cuDNN's (x faster)."""
+  """Per shape and pass, each impl's speed against the baselines (their time / its time: x faster):
+  vs_padded the padded softmax baseline (for every kernel, as since the first runs of this benchmark),
+  vs_padded_same_op the padded baseline of the impl's own operation (HSTU or softmax), vs_cudnn
+  jax.nn.dot_product_attention's. None where that baseline was not timed."""
   out = []
   timed = [r for r in records if r["median_ms"]]
   for r in timed:
-    if r["kernel"] in ("padded_softmax_baseline", "dot_product_attention"):
+    if r["kernel"] in BASELINES:
       continue
     base = {b["kernel"]: b["median_ms"] for b in timed if b["shape"] == r["shape"] and b["pass"] == r["pass"]
-            and b["kernel"] in ("padded_softmax_baseline", "dot_product_attention")}
+            and b["kernel"] in BASELINES}
+    ratio = lambda kernel: base[kernel] / r["median_ms"] if kernel in base else None
     out.append({"shape": r["shape"], "kernel": r["kernel"], "impl": r["impl"], "pass": r["pass"],
-                "vs_padded": base["padded_softmax_baseline"] / r["median_ms"] if "padded_softmax_baseline" in base else None,
-                "vs_cudnn": base["dot_product_attention"] / r["median_ms"] if "dot_product_attention" in base else None})
+                "vs_padded": ratio("padded_softmax_baseline"), "vs_padded_same_op": ratio(SAME_OP.get(r["kernel"])),
+                "vs_cudnn": ratio("dot_product_attention")})
   return out
 
 

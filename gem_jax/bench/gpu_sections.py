@@ -81,6 +81,7 @@ def environment(ctx: Context) -> None:
   import jax.numpy as jnp
 
   from gem_jax.bench import timing
+  from gem_jax.observe import report
   from gem_jax.precision import fp8
 
   dev = jax.devices()[0]
@@ -100,7 +101,7 @@ def environment(ctx: Context) -> None:
           memory_bytes=(stats or {}).get("bytes_limit"), nvidia_smi=smi,
           install=json.loads(os.environ.get("GEM_JAX_GPU_CHECK_INSTALL", "null")),
           datasheet_peak_flops={"bf16": timing.datasheet_peak("bf16"), "fp8": timing.datasheet_peak("fp8")})
-  ctx.set(measured_gemm={"dtype": jnp.dtype(dtype).name, "n": n, "flops": timing.measured_gemm_peak(dtype, n)})
+  ctx.set(measured_gemm={"dtype": jnp.dtype(dtype).name, "n": n, "flops": report.measure_gemm_peak(dtype, n)})
   skips = []
   triton_error = _importable("jax_triton")
   if not on_gpu:
@@ -214,13 +215,14 @@ def kernel_speed(ctx: Context) -> None:
   import numpy as np
 
   from gem_jax.bench import attention, timing
+  from gem_jax.observe import report
 
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   peak = timing.datasheet_peak("bf16") if on_gpu else None
   source = "datasheet bf16"
   if peak is None:
-    peak, source = timing.measured_gemm_peak(dtype, 8192 if on_gpu else 256), "measured GEMM"
+    peak, source = report.measure_gemm_peak(dtype, 8192 if on_gpu else 256), "measured GEMM"
   ctx.set(peak_flops=peak, peak_source=source, dtype=jnp.dtype(dtype).name)
   rng = np.random.default_rng(0)
   shapes = attention.gpu_check_grid() if not ctx.rehearse else attention.rehearsal_grid()

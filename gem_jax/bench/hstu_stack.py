@@ -11,10 +11,11 @@ whole mask; the loss is the mean squared output over real tokens. `impl` is the 
 the same padded work one row per loop step with its own backward.
 
 Per (stack, impl, tree): the median step time over `reps` timed steps (after a compile step), tokens/s (real
-tokens per second), model FLOP/s and its share of a float32 GEMM peak measured in the same process. Model
-FLOPs count real tokens and the causal pairs of each row (n(n+1)/2), forward and backward (3x the forward);
-padding and masked pairs are not model FLOPs. compare() runs each (stack, impl) `rounds` times per source tree
-in fresh processes, alternating which tree goes first, so a machine that drifts taxes both alike.
+tokens per second), model FLOP/s and its share of a float32 GEMM peak measured in the same process (the best
+of GEMM_SIZES). Model FLOPs count real tokens and the causal pairs of each row (n(n+1)/2), forward and
+backward (3x the forward); padding and masked pairs are not model FLOPs. compare() runs each (stack, impl)
+`rounds` times per source tree in fresh processes, alternating which tree goes first, so a machine that
+drifts taxes both alike.
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ STACKS = {
           "mean_len": 100},
 }
 IMPLS = ("xla", "dense", "reference")
+GEMM_SIZES = (512, 1024, 2048)
+
+
+def gemm_peak() -> tuple[float, int]:
+  """(FLOP/s, n): the fastest float32 n x n x n GEMM over GEMM_SIZES, in this process. Through
+  observe/report.measure_gemm_peak, which older trees measured with --baseline have too (this file runs over
+  their gem_jax)."""
+  import jax.numpy as jnp
+
+  from gem_jax.observe.report import measure_gemm_peak
+  return max((measure_gemm_peak(jnp.float32, n), n) for n in GEMM_SIZES)
 
 
 def lengths(stack: dict, seed: int):
@@ -141,12 +153,13 @@ def child(stack_name: str, impl: str, reps: int, seed: int, rel_bias: bool = Tru
     times.append(time.perf_counter() - t)
   step_s = statistics.median(times)
   flops = model_flops(stack, lens)
-  peak = timing.measured_gemm_peak(jnp.float32, 1024)
+  peak, peak_n = gemm_peak()
   return {"stack": stack_name, "impl": impl, "rel_bias": rel_bias,
           "gem_jax": os.path.dirname(os.path.dirname(gem_jax.__file__)), "tokens": tokens,
           "capacity": capacity, "padded_tokens": stack["batch"] * stack["max_len"],
           "compile_s": compile_s, "step_s": step_s, "step_s_all": times, "tokens_per_s": tokens / step_s,
           "model_flops": flops, "model_flops_per_s": flops / step_s, "gemm_peak_flops_per_s": peak,
+          "gemm_peak_n": peak_n,
           "pct_of_gemm_peak": 100.0 * flops / step_s / peak, "loss": float(loss), "backend": jax.default_backend()}
 
 
@@ -214,7 +227,7 @@ def dense_dots(stack_name: str, *, reps: int, seed: int = 0) -> dict:
     forms.append({"form": name, "einsum": spec, "ms": ms, "flops_per_s": flops / (ms / 1e3)})
   per_step_s = 2 * stack["layers"] * sum(f["ms"] for f in forms) / 1e3
   return {"stack": stack_name, "shape": {"B": b, "H": h, "N": n, "D": d}, "forms": forms,
-          "dots_per_step_s": per_step_s, "gemm_peak_flops_per_s": timing.measured_gemm_peak(jnp.float32, 2048)}
+          "dots_per_step_s": per_step_s, "gemm_peak_flops_per_s": gemm_peak()[0]}
 
 
 def dense_dots_table(result: dict) -> str:
