@@ -29,10 +29,10 @@ sys.path.insert(0, ROOT)
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", default="small", help="named config (gem_jax/configs.py)")
+  p.add_argument("--config", default=None, help="named config (gem_jax/configs.py; default small)")
   p.add_argument("--stack", choices=("S", "M"), default=None,
                  help="profile an HSTU stack of experiments/bench_hstu_stack.py instead of a config")
-  p.add_argument("--impl", default="xla", help="with --stack: the attention impl")
+  p.add_argument("--impl", default=None, help="with --stack: the attention impl (default xla)")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
   p.add_argument("--warmup", type=int, default=2, help="untraced steps after the compile")
   p.add_argument("--steps", type=int, default=3, help="traced steps")
@@ -44,6 +44,10 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.steps < 1 or args.warmup < 0:
     p.error("--steps must be >= 1 and --warmup >= 0")
+  if args.stack and (args.config or args.set):
+    p.error("--stack profiles a stack of bench_hstu_stack.py, which --config and --set do not change")
+  if args.impl and not args.stack:
+    p.error("--impl goes with --stack; a config's attention impl is --set model.hstu.attn_impl=...")
 
   from gem_jax import configs   # first: gem_jax sets up XLA's environment before jax starts (gem_jax/xla_env.py)
   import jax
@@ -53,8 +57,9 @@ def main(argv=None) -> int:
 
   if args.stack:
     from gem_jax.bench import hstu_stack
-    name = f"stack {args.stack} ({args.impl})"
-    step, args_in, _ = hstu_stack.build_step(args.stack, args.impl, seed=0)
+    impl = args.impl or "xla"
+    name = f"stack {args.stack} ({impl})"
+    step, args_in, _ = hstu_stack.build_step(args.stack, impl, seed=0)
     compiled = step.lower(*args_in).compile()
     carry = list(args_in)
 
@@ -62,8 +67,8 @@ def main(argv=None) -> int:
       carry[0], carry[1], loss = compiled(*carry)
       return loss
   else:
-    name = args.config
-    run = build(apply_overrides(configs.get(args.config), args.set))
+    name = args.config or "small"
+    run = build(apply_overrides(configs.get(name), args.set))
     batches = op_profile.same_shape_batches(run, args.warmup + args.steps + 1)
     compiled = run.train_step.lower(run.state, batches[0]).compile()
     carry = [run.state]

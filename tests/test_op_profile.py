@@ -82,6 +82,17 @@ def test_the_script_profiles_a_step(tmp_path):
   assert any(r["place"].startswith("pallas_kernels/hstu_attention/") for r in rows[:5]), rows[:5]
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--stack", "S", "--config", "tiny"], "--config and --set do not change"),
+    (["--stack", "S", "--set", "model.num_layers=1"], "--config and --set do not change"),
+    (["--config", "tiny", "--impl", "reference"], "--impl goes with --stack"),
+])
+def test_the_script_refuses_flags_it_would_ignore(flags, message):
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "profile_step.py"), *flags],
+                        capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
 def test_an_op_made_in_a_library_goes_to_the_caller_under_the_roots():
   """flax's Linear makes the dot (the innermost frame is flax's); the row is the line here that called it."""
   from flax import nnx
