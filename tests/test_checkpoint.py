@@ -252,17 +252,18 @@ def test_host_hashes_equal_the_jitted_ones_for_every_dtype_and_across_chunks(mon
   """On CPU the hashes come leaf by leaf (checkpoint._fingerprint: numpy, or a jitted pass per large leaf);
   they must be the one jitted pass's bits, for every itemsize, either way, and for numpy leaves (host
   tables)."""
-  monkeypatch.setattr(checkpoint_lib, "_HOST_WORDS", 9)  # x (45 words) and its casts take the per-leaf jit
+  monkeypatch.setattr(checkpoint_lib, "_HOST_ELEMENTS", 9)  # x (45 elements) and its casts: the per-leaf jit
   key = jax.random.key(3)
   x = jax.random.normal(key, (5, 9))
   leaves = [x, x.astype(jnp.bfloat16), x.astype(jnp.float8_e4m3fn), (x * 100).astype(jnp.int8),
             (x * 1e4).astype(jnp.int32), jax.random.key_data(key), x > 0, jnp.zeros((0, 3)), jnp.float32(2.5),
-            np.asarray(x * 3), jnp.arange(4, dtype=jnp.uint32)]
+            np.asarray(x * 3), jnp.arange(4, dtype=jnp.uint32), np.asarray(x).T,
+            np.arange(-3, 4, dtype=np.int64), np.float64(-2.5)]  # 64-bit: hashed as jit makes them 32-bit
   assert all(checkpoint_lib._on_host(leaf) for leaf in leaves)
   host = np.asarray(checkpoint_lib._fingerprint(leaves))
   np.testing.assert_array_equal(host, np.asarray(checkpoint_lib._fingerprint_jit(leaves)))
   assert len({tuple(h) for h in host.tolist()}) == len(leaves)  # the empty leaf: (0, 0)
-  monkeypatch.setattr(checkpoint_lib, "_HOST_WORDS", 1 << 16)  # every leaf in numpy
+  monkeypatch.setattr(checkpoint_lib, "_HOST_ELEMENTS", 1 << 16)  # every leaf in numpy
   np.testing.assert_array_equal(host, np.asarray(checkpoint_lib._fingerprint(leaves)))
   moved = np.asarray(x).copy()
   moved[4, 8] += 1                               # the last word

@@ -134,7 +134,6 @@ def child(stack_name: str, impl: str, reps: int, seed: int, rel_bias: bool = Tru
   import jax.numpy as jnp
 
   import gem_jax
-  from gem_jax.bench import timing
 
   stack = STACKS[stack_name]
   step, (params, opt_state, x), lens = build_step(stack_name, impl, seed, rel_bias)

@@ -7,7 +7,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 
 # Datasheet peaks (dense, no sparsity) by device kind, the same numbers as the mesh files' hardware blocks.
 DATASHEET_PEAKS = {"H200": {"bf16": 9.89e14, "fp8": 1.979e15}, "H100": {"bf16": 9.89e14, "fp8": 1.979e15}}

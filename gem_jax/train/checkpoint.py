@@ -102,12 +102,15 @@ def _leaf_hash(x):
   return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * weights, dtype=jnp.uint32)])
 
 
-_HOST_WORDS = 1 << 16  # larger CPU leaves: a jitted pass of their own (numpy takes ~9x longer per word)
+_HOST_ELEMENTS = 1 << 16  # larger CPU leaves: a jitted pass of their own (numpy takes ~9x longer per word)
 
 
 def _leaf_hash_host(x) -> np.ndarray:
-  """_leaf_hash in numpy, for an array this process holds whole in host memory: the same (2,) uint32."""
+  """_leaf_hash in numpy, for an array this process holds whole in host memory: the same (2,) uint32. A
+  64-bit leaf is hashed as the 32-bit value jit would make of it (without jax_enable_x64), as the jitted
+  pass sees it."""
   x = np.asarray(x)
+  x = x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
   if x.dtype == np.bool_:
     x = x.astype(np.uint8)
   w = np.ascontiguousarray(x).reshape(-1).view(_UNSIGNED_NP[x.dtype.itemsize]).astype(np.uint32)
@@ -139,8 +142,10 @@ def _fingerprint(leaves: list) -> jax.Array:
   pass over every leaf."""
   if not leaves:
     return jnp.zeros((0, 2), jnp.uint32)
-  if all(_on_host(x) for x in leaves):
-    return jnp.asarray(np.stack([_leaf_hash_host(x) if np.size(x) <= _HOST_WORDS else
+  # One process only: in a multi-process run every process must join the one program (a leaf held whole
+  # by some processes and not others would split them), and orbax needs the result as a global array.
+  if jax.process_count() == 1 and all(_on_host(x) for x in leaves):
+    return jnp.asarray(np.stack([_leaf_hash_host(x) if np.size(x) <= _HOST_ELEMENTS else
                                  np.asarray(_leaf_hash_jit(x)) for x in leaves]))
   return _fingerprint_jit(leaves)
 
@@ -233,8 +238,8 @@ class Checkpointer:
 
     arrays = jax.tree_util.tree_map_with_path(plain, state)
     meta = {"format": FORMAT, "leaves": _leaf_table(state), "prng": prng, "extra_crc": crc}
-    # The hashes come out of one jit over the (global) state, so they are a global array in a
-    # multi-process run too, which orbax requires of everything in an array item.
+    # In a multi-process run the hashes come out of one jit over the (global) state, so they are a global
+    # array, which orbax requires of everything in an array item (_fingerprint).
     integrity = {"leaves": _fingerprint(jax.tree_util.tree_leaves(arrays))}
     return self._manager.save(step, force=True, args=ocp.args.Composite(
         state=ocp.args.PyTreeSave(arrays), extra=ocp.args.JsonSave(extra), meta=ocp.args.JsonSave(meta),
