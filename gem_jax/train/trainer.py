@@ -59,11 +59,15 @@ class JsonlWriter:
     # The kept records reach the disk before the old file goes: a run killed before its first new record
     # (a resume, then a kill during compile) must not lose the history it resumed from.
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(kept)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+      with open(tmp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+      os.replace(tmp, path)
+    finally:
+      if os.path.exists(tmp):  # a failed write leaves the old file whole and no stray copy
+        os.unlink(tmp)
     self._f = open(path, "a")
 
   def write(self, record: dict) -> None:
