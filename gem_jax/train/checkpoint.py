@@ -88,7 +88,6 @@ def _abstract(x):
 
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
-_UNSIGNED_NP = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}
 
 
 def _leaf_hash(x):
@@ -113,7 +112,7 @@ def _leaf_hash_host(x) -> np.ndarray:
   x = x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
   if x.dtype == np.bool_:
     x = x.astype(np.uint8)
-  w = np.ascontiguousarray(x).reshape(-1).view(_UNSIGNED_NP[x.dtype.itemsize]).astype(np.uint32)
+  w = np.ascontiguousarray(x).reshape(-1).view(np.dtype(_UNSIGNED[x.dtype.itemsize])).astype(np.uint32)
   weights = np.arange(w.shape[0], dtype=np.uint32) * np.uint32(0x9E3779B1) + np.uint32(0x7F4A7C15)
   return np.array([np.sum(w, dtype=np.uint32), np.sum(w * weights, dtype=np.uint32)], np.uint32)
 
