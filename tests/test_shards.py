@@ -87,3 +87,25 @@ def test_place_shards_the_leading_dim(tiny_batch):
   placed = pdata.place(sharded, mesh, DATA_AXES)
   np.testing.assert_array_equal(np.asarray(placed.history.values), sharded.history.values)
   assert placed.labels_BxK.sharding.spec == jax.sharding.PartitionSpec(DATA_AXES)
+
+
+def test_rank_imbalance_with_readers_is_that_of_the_shards_each_reader_fills():
+  """With data.readers, each reader balances its own rows over its own shards (shard_part), and the report's
+  figure is that of those shards, not of one pass over the step's rows."""
+  from gem_jax.observe import report
+  cfg = configs.get("tiny")
+  stream = SyntheticAdsStream(cfg.data.spec, cfg.data.synthetic)
+  pieces = tuple(pipeline.pack(stream.block(i, 16), cfg.data.spec, cfg.data.pipeline) for i in (0, 5))
+  part = pdata.Part(readers=(0, 1), num_readers=2, batches=pieces)
+  stacked, ids = pdata.shard_part(part, cfg.data.spec, cfg.data.pipeline, 4)
+  assert ids == [0, 1, 2, 3]
+  loads = [pdata.row_costs(np.diff(np.asarray(offsets))).sum() for offsets in stacked.history.offsets]
+  every_row = np.concatenate([np.diff(np.asarray(b.history.offsets)) for b in pieces])
+  got = report.rank_imbalance(every_row, 4, seed=0, readers=2)
+  assert got["balanced"] == pytest.approx(max(loads) / np.mean(loads), rel=1e-12)
+  # One reader's rows all long, the other's all short: no shard of the second can take a long row.
+  lopsided = report.rank_imbalance(np.array([100] * 8 + [1] * 8), 4, readers=2)
+  assert lopsided["balanced"] == pytest.approx(2.0, rel=1e-3) and lopsided["random"] == pytest.approx(2.0, rel=1e-3)
+  assert report.rank_imbalance(np.array([100] * 8 + [1] * 8), 4)["balanced"] == 1.0
+  with pytest.raises(ValueError, match="3 readers must divide the 4 shards"):
+    report.rank_imbalance(every_row[:30], 4, readers=3)

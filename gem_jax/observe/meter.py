@@ -92,6 +92,9 @@ class RunMeter:
     self.notes += notes
     self.tiled = flop_model.tiled
     self.imbalance_shards = self.data_shards if self.data_shards > 1 else HYPOTHETICAL_SHARDS
+    # Readers each balance their own rows over their own shards (report.rank_imbalance); one data shard's
+    # hypothetical shards are filled as one reader would.
+    self.readers = getattr(run.source, "num_readers", 1) if self.data_shards > 1 else 1
     if self.data_shards == 1:
       self.notes.append(f"rank_imbalance: one data shard; shown for {HYPOTHETICAL_SHARDS} hypothetical shards "
                         "of the same batches")
@@ -122,7 +125,7 @@ class RunMeter:
     tiled = self.flop_model.tiled_train(every_row) if self.tiled else 0.0
     imb = None
     if (step + 1) % self.imbalance_every == 0 and every_row.size % self.imbalance_shards == 0:
-      imb = report.rank_imbalance(every_row, self.imbalance_shards, seed=step)
+      imb = report.rank_imbalance(every_row, self.imbalance_shards, seed=step, readers=self.readers)
     host_s = time.perf_counter() - self._t_batch if self._t_batch is not None else 0.0
     self.steps[step] = _Step(model, tiled, int(real.size), host_s, imb)
     self._t_batch = None

@@ -96,13 +96,25 @@ def measure_gemm_peak(dtype=jnp.float32, n: int = 1024, reps: int = 5) -> float:
   return 2.0 * n ** 3 / statistics.median(times)
 
 
-def rank_imbalance(history_lengths: Sequence[int], num_shards: int, seed: int = 0) -> dict:
-  """{"balanced": max/mean shard cost with the pipeline's assignment, "random": with a random equal split}."""
+def rank_imbalance(history_lengths: Sequence[int], num_shards: int, seed: int = 0, readers: int = 1) -> dict:
+  """{"balanced": max/mean shard cost with the pipeline's assignment, "random": with a random equal split}.
+
+  readers: data readers (data.readers). The rows come in reader order, and each reader balances its own rows
+  over its own num_shards / readers shards (gem_jax/data/shards.py shard_part), as the random split does
+  here: one pass over every row would pair one reader's long rows with another's short ones, which no
+  step does, and so report a better balance than the step has."""
   cost_B = data_parallel.row_costs(np.asarray(history_lengths))
-  balanced = data_parallel.assign_rows(cost_B, num_shards)   # raises if the rows do not split evenly
-  random = np.random.default_rng(seed).permutation(cost_B.shape[0]).reshape(num_shards, -1)
-  return {"balanced": data_parallel.imbalance(cost_B, balanced),
-          "random": data_parallel.imbalance(cost_B, random)}
+  if readers < 1 or num_shards % readers or cost_B.shape[0] % readers:
+    raise ValueError(f"rank_imbalance: {readers} readers must divide the {num_shards} shards and the "
+                     f"{cost_B.shape[0]} rows")
+  rows, per = cost_B.shape[0] // readers, num_shards // readers
+  rng = np.random.default_rng(seed)
+  balanced, random = [], []
+  for r in range(readers):   # raises if a reader's rows do not split evenly over its shards
+    balanced.append(r * rows + data_parallel.assign_rows(cost_B[r * rows:(r + 1) * rows], per))
+    random.append(r * rows + rng.permutation(rows).reshape(per, -1))
+  return {"balanced": data_parallel.imbalance(cost_B, np.concatenate(balanced)),
+          "random": data_parallel.imbalance(cost_B, np.concatenate(random))}
 
 
 # --------------------------------------------------------------------------------------------- build
