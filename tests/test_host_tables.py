@@ -117,9 +117,13 @@ def test_a_table_whose_second_owner_shard_does_not_fit_takes_back_the_first_ones
 
 # ---- a run's batches ----------------------------------------------------------------------------------------
 
-def _config(*sets, ads: int = 100_000):
-  """tiny with tables of 100,000 users and `ads` ads, so that 1% of either holds a batch's distinct rows."""
-  cfg = run_helpers.tiny(*sets)
+def _config(*sets, ads: int = 100_000, one_layer: bool = True):
+  """tiny with tables of 100,000 users and `ads` ads, so that 1% of either holds a batch's distinct rows. One GEM
+  layer by default: caches, evictions and write-backs are the same at any depth, and each distinct config here
+  is a compile of its own. The one-device comparison with device tables keeps two: bit for bit needs both
+  programs compiled alike, and at the suite's optimization level one-layer tiny's two programs round
+  differently (README, host tables)."""
+  cfg = run_helpers.tiny(*(run_helpers.ONE_LAYER if one_layer else ()), *sets)
   spec = ads_feature_spec(users=100_000, ads=ads, advertisers=100, categories=20, embed_dim=16, max_history=32,
                           max_interests=4, num_domains=2)
   return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, spec=spec))
@@ -172,7 +176,7 @@ def _assert_same(a, b):
 
 @pytest.fixture(scope="module")
 def on_device():
-  return _train(_config())
+  return _train(_config(one_layer=False))
 
 
 # A cache that turns over (0.01) and one that holds the whole table (1.0); GEM_JAX_HOST_TABLE_FULL=1 adds a
@@ -183,7 +187,7 @@ ONE_DEVICE_FRACTIONS = ["0.01", "0.1", "1.0"] if os.environ.get("GEM_JAX_HOST_TA
 @pytest.mark.parametrize("fraction", ONE_DEVICE_FRACTIONS)
 def test_host_tables_train_what_device_tables_train_on_one_device(on_device, fraction):
   _, want, want_losses = on_device
-  run, got, losses = _train(_config(HOST, f"train.host_cache_fraction={fraction}"))
+  run, got, losses = _train(_config(HOST, f"train.host_cache_fraction={fraction}", one_layer=False))
   assert losses == want_losses
   _assert_same(want, got)
   ad = run.tables.stats()["tables"]["ad_id"]
@@ -216,8 +220,8 @@ def test_a_cache_no_larger_than_a_step_s_ids_rounds_like_the_whole_table():
   """tiny's own tables behind 20% caches (400 ad rows, fewer than a step reads on one device): the cache
   takes the whole table's path and merges in arrays of the whole table's sizes (table_update.Layout.whole_rows),
   since XLA:CPU rounds a row's reduction differently in arrays of different lengths. On cpu_8: the next test."""
-  _, want, want_losses = _train(run_helpers.tiny())
-  run, got, losses = _train(run_helpers.tiny(HOST, "train.host_cache_fraction=0.2"))
+  _, want, want_losses = _train(run_helpers.tiny(*run_helpers.ONE_LAYER))
+  run, got, losses = _train(run_helpers.tiny(*run_helpers.ONE_LAYER, HOST, "train.host_cache_fraction=0.2"))
   assert run.tables.tables["ad_id"].stats()["evictions"] > 0
   assert losses == want_losses
   _assert_same(want, got)
@@ -261,14 +265,14 @@ def test_an_evaluation_compiles_one_eval_program_however_its_batches_rows_spread
 def test_a_checkpoint_from_one_cache_size_resumes_with_another_and_evaluations_match(tmp_path):
   sets = ["train.steps=8", "train.checkpoint_every=4", "train.eval_every=4", "train.eval_examples=256",
           "train.log_every=1", "train.warmup_steps=1"]
-  want = jobs.train_config(_config(*sets), str(tmp_path / "device"), progress=False, report=False)
-  jobs.train_config(_config(*sets, HOST, "train.host_cache_fraction=0.1"), str(tmp_path / "host"), progress=False,
-                    report=False, stop_after=4)
-  got = jobs.train_config(_config(*sets, HOST, "train.host_cache_fraction=0.01"), str(tmp_path / "host"),
-                          progress=False, report=False, resume=True)
+  want = jobs.train_config(_config(*sets, one_layer=False), str(tmp_path / "device"), progress=False, report=False)
+  jobs.train_config(_config(*sets, HOST, "train.host_cache_fraction=0.1", one_layer=False), str(tmp_path / "host"),
+                    progress=False, report=False, stop_after=4)
+  got = jobs.train_config(_config(*sets, HOST, "train.host_cache_fraction=0.01", one_layer=False),
+                          str(tmp_path / "host"), progress=False, report=False, resume=True)
   assert got["evaluations"] == want["evaluations"] and got["tasks"] == want["tasks"]
   # A host-table checkpoint holds the tables whole, as a device-table run's does: one restore target for both.
-  target = build(_config(*sets), abstract=True).abstract_state()
+  target = build(_config(*sets, one_layer=False), abstract=True).abstract_state()
   prints = []
   for name in ("device", "host"):
     with Checkpointer(os.path.join(tmp_path, name, "checkpoints"), keep=3, save_every=4) as ckpt:

@@ -17,7 +17,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 from gem_jax.data import export, parquet_source, sources, spec_file  # noqa: E402
 from gem_jax.data.parquet_rows import DataFileError  # noqa: E402
 from gem_jax.data.sources import SyntheticSource  # noqa: E402
-from tests.run_helpers import tiny  # noqa: E402
+from tests.run_helpers import ONE_LAYER, tiny  # noqa: E402
 
 B = 32  # tiny's batch size
 
@@ -270,8 +270,8 @@ def test_resume_from_a_checkpoint_in_the_middle_of_a_file_repeats_the_losses(exp
   import json
 
   from gem_jax.train.jobs import train_config
-  cfg = tiny(**{"train.steps": 8, "train.warmup_steps": 1, "train.log_every": 1, "train.checkpoint_every": 4,
-                "train.eval_every": 100})
+  cfg = tiny(*ONE_LAYER, **{"train.steps": 8, "train.warmup_steps": 1, "train.log_every": 1,
+                            "train.checkpoint_every": 4, "train.eval_every": 100, "train.eval_examples": 64})
   cfg = parquet_source.with_files(cfg, exported)
   cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shuffle_window=96, seed=1))
   full, part = str(tmp_path / "full"), str(tmp_path / "part")

@@ -27,7 +27,7 @@ from gem_jax.run import tasks
 from gem_jax.run.build import build
 from gem_jax.train import trainer
 from gem_jax.train.jobs import standard_hooks, train_config
-from tests.run_helpers import tiny
+from tests.run_helpers import ONE_LAYER, tiny
 
 
 # ---- a data source in one class: a fixed in-memory set of examples, read in shuffled epochs -------------
@@ -169,7 +169,8 @@ class Brier(tasks.Task):
 
 
 def _fixed_set_cfg(*sets, **named):
-  cfg = tiny(*sets, **named)
+  """tiny on an in-test source and task; one GEM layer (the tests are of the trainer's wiring, not the model)."""
+  cfg = tiny(*ONE_LAYER, *sets, **named)
   return dataclasses.replace(cfg, data=FixedSetConfig(cfg.data.spec, cfg.data.pipeline), task=BrierConfig())
 
 

@@ -15,7 +15,7 @@ from gem_jax.config import TrainConfig, apply_overrides
 from gem_jax.parallel import mesh as mesh_lib, sparse
 from gem_jax.run import table_optim, table_update
 from gem_jax.run.build import build
-from tests.run_helpers import tiny
+from tests.run_helpers import ONE_LAYER, tiny
 
 
 def _grown(cfg, table: str, rows: int):
@@ -72,13 +72,13 @@ def test_sparse_engine_matches_the_dense_path_on_one_device():
 
 
 def test_rows_no_batch_reads_stay_bit_identical_with_their_accumulators():
-  """A user_id table of 20,000 rows and 50 batches of 32 examples: every row no batch read, and its
-  accumulator, ends exactly as initialised; the rows that were read moved and gained accumulator."""
-  run = build(_grown(tiny(**{"train.embedding_update": "sparse"}), "user_id", 20_000))
+  """A user_id table of 20,000 rows and 10 batches of 32 examples (one GEM layer): every row no batch read, and
+  its accumulator, ends exactly as initialised; the rows that were read moved and gained accumulator."""
+  run = build(_grown(tiny(*ONE_LAYER, **{"train.embedding_update": "sparse"}), "user_id", 20_000))
   before = np.asarray(run.state.params["embeddings"]["tables"]["user_id"].get_value()).copy()
   it = run.source.train_iterator()
   state, seen = run.state, set()
-  for _ in range(50):
+  for _ in range(10):
     batch = next(it)
     seen.update(np.asarray(batch.sparse["user_id"]).reshape(-1).tolist())
     state, m = run.train_step(state, run.device_batch(batch))
@@ -103,10 +103,11 @@ def _compiled(cfg):
 def test_the_sparse_step_holds_nothing_table_sized_but_the_tables_and_their_state():
   """XLA's temporary memory of the sparse step does not grow with V (200x tiny's 1,000 user rows: within
   1.1x), while the dense step's does; and no op of the sparse step but the in-place row writes produces a
-  V x E array. (tiny's own step: other tests compile the same program, which the session cache serves.)"""
+  V x E array. (One-layer tiny's own step: other tests compile the same program, which the session cache
+  serves.)"""
   temps, texts = {}, {}
   for mode, rows in (("sparse", 1_000), ("sparse", 200_003), ("dense", 200_003)):
-    c = _compiled(_grown(tiny(**{"train.embedding_update": mode}), "user_id", rows))
+    c = _compiled(_grown(tiny(*ONE_LAYER, **{"train.embedding_update": mode}), "user_id", rows))
     temps[mode, rows] = c.memory_analysis().temp_size_in_bytes
     texts[mode, rows] = c.as_text()
   assert temps["sparse", 200_003] <= 1.1 * temps["sparse", 1_000], temps

@@ -20,7 +20,7 @@ from gem_jax.observe import hlo
 from gem_jax.parallel import mesh as mesh_lib
 from gem_jax.parallel import placement
 from gem_jax.run.build import build
-from tests.run_helpers import tiny
+from tests.run_helpers import tiny, tiny_cpu8_config
 
 STEPS = 3
 
@@ -79,10 +79,10 @@ def test_mesh_step_skips_a_non_finite_batch(setup):
 def test_the_sparse_engine_on_a_mesh_skips_a_non_finite_batch():
   """The same guard with the sparse engine's table update (the default) on cpu_8: rows sent to their owners and
   merged across copies, and still no row, slot, dense parameter or Adam moment moves."""
-  cfg = tiny("data.pipeline.batch_size=64", "mesh=meshes/cpu_8.yaml")
+  cfg = tiny_cpu8_config()   # the step the tiny_cpu8_run fixture compiles (the session cache serves it)
   assert cfg.train.embedding_update == "sparse"
   run = build(cfg)
-  batch = run.source.sample(64, index=0)
+  batch = run.source.sample(cfg.data.pipeline.batch_size, index=0)
   dense = np.array(batch.dense_BxG)
   dense[9, 1] = np.inf
   poisoned = run.device_batch(dataclasses.replace(batch, dense_BxG=dense))

@@ -8,14 +8,17 @@ import pytest
 
 from gem_jax.train import fault_drill
 from gem_jax.train.jobs import train_config as train
-from tests.run_helpers import check_run_report, tiny
+from tests.run_helpers import ONE_LAYER, check_run_report, tiny
 
 STEPS = 12
 
 
 def _tiny(**overrides):
-  return tiny(**{"train.warmup_steps": 1, "train.steps": STEPS, "train.log_every": 1, "train.checkpoint_every": 4,
-                 "train.eval_every": 100, "train.eval_examples": 128, **overrides})
+  """One GEM layer: outputs, resume and hook order do not depend on the model's depth (the golden steps,
+  tests/test_step_golden.py, keep two)."""
+  return tiny(*ONE_LAYER, **{"train.warmup_steps": 1, "train.steps": STEPS, "train.log_every": 1,
+                             "train.checkpoint_every": 4, "train.eval_every": 100, "train.eval_examples": 128,
+                             **overrides})
 
 
 def _losses(out_dir):
