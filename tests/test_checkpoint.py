@@ -270,6 +270,29 @@ def test_host_hashes_equal_the_jitted_ones_for_every_dtype_and_across_chunks(mon
   assert not np.array_equal(checkpoint_lib._leaf_hash_host(moved), host[0])
 
 
+def test_the_per_process_parts_of_a_sharded_leaf_add_up_to_its_hash():
+  """A multi-process CPU run hashes each process's shards of replica 0 at their places in the whole array
+  (checkpoint._local_sums) and adds the processes' parts up. Here one process holds all 8 devices, so its
+  part is every shard's: it must be the whole leaf's hash, for sharded, partly replicated, replicated
+  and scalar leaves of every itemsize."""
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+  key = jax.random.key(5)
+  x = jax.random.normal(key, (8, 6, 3))
+  cases = [(x, P("a", "b")), (x.astype(jnp.bfloat16), P(None, "b", None)), ((x * 50).astype(jnp.int8), P("b")),
+           (x > 0, P("a", None, None)), (jnp.arange(16, dtype=jnp.uint32), P(("a", "b"))),
+           (x[:, :, 0], P()), (jnp.float32(3.5), P()), (jax.random.key_data(key), P())]
+  for value, spec in cases:
+    placed = jax.device_put(value, NamedSharding(mesh, spec))
+    want = checkpoint_lib._leaf_hash_host(np.asarray(value))
+    np.testing.assert_array_equal(np.array(checkpoint_lib._local_sums(placed), np.uint32), want, err_msg=str(spec))
+  np.testing.assert_array_equal(np.array(checkpoint_lib._local_sums(np.asarray(x)), np.uint32),
+                                checkpoint_lib._leaf_hash_host(np.asarray(x)))
+  # A shard at the wrong place (positions off by one row) changes the weighted sum.
+  index = (slice(1, 3), slice(0, 6), slice(0, 3))
+  assert checkpoint_lib._positions((8, 6, 3), index)[0, 0, 0] == 18
+  assert checkpoint_lib._positions((8, 6, 3), index).reshape(-1).tolist() == list(range(18, 54))
+
+
 _KILL_MID_SAVE = r"""
 import os, signal, sys
 import jax, jax.numpy as jnp

@@ -120,9 +120,9 @@ def test_a_table_whose_second_owner_shard_does_not_fit_takes_back_the_first_ones
 def _config(*sets, ads: int = 100_000, one_layer: bool = True):
   """tiny with tables of 100,000 users and `ads` ads, so that 1% of either holds a batch's distinct rows. One GEM
   layer by default: caches, evictions and write-backs are the same at any depth, and each distinct config here
-  is a compile of its own. The one-device comparison with device tables keeps two: bit for bit needs both
-  programs compiled alike, and at the suite's optimization level one-layer tiny's two programs round
-  differently (README, host tables)."""
+  is a compile of its own. The one-device comparisons with device tables at these sizes keep two: bit for bit
+  needs both programs compiled alike, and at the suite's optimization level one-layer tiny with these
+  100,000-row tables behind a 1% cache rounds some dense gradients differently (README, host tables)."""
   cfg = run_helpers.tiny(*(run_helpers.ONE_LAYER if one_layer else ()), *sets)
   spec = ads_feature_spec(users=100_000, ads=ads, advertisers=100, categories=20, embed_dim=16, max_history=32,
                           max_interests=4, num_domains=2)

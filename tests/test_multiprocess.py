@@ -102,6 +102,9 @@ def test_two_processes_train_what_one_process_trains(tmp_path, tiny_cpu8_run):
   # and sequence lengths as one process reading them all, over the same 8 devices' peak.
   r_two, r_one = (json.loads((d / "report.json").read_text()) for d in (two, one))
   assert r_two["model_tflops_per_step"] == pytest.approx(r_one["model_tflops_per_step"], rel=1e-9)
+  # Each process's reader balances its own rows over its own 4 data shards; one process's one reader all 8.
+  assert (r_two["rank_imbalance"]["readers"], r_one["rank_imbalance"]["readers"]) == (2, 1)
+  assert 1.0 <= r_two["rank_imbalance"]["balanced"] <= r_two["rank_imbalance"]["random"]
   s_two, s_one = (json.loads((d / "summary.json").read_text()) for d in (two, one))
   for key in ("mean_sequence_length", "forward_flops_per_example"):
     assert s_two[key] == pytest.approx(s_one[key], rel=1e-9), key

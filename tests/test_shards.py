@@ -95,9 +95,10 @@ def test_rank_imbalance_with_readers_is_that_of_the_shards_each_reader_fills():
   from gem_jax.observe import report
   cfg = configs.get("tiny")
   stream = SyntheticAdsStream(cfg.data.spec, cfg.data.synthetic)
-  pieces = tuple(pipeline.pack(stream.block(i, 16), cfg.data.spec, cfg.data.pipeline) for i in (0, 5))
+  pipe = dataclasses.replace(cfg.data.pipeline, batch_size=16)   # each reader's piece: 16 real rows
+  pieces = tuple(pipeline.pack(stream.block(i, 16), cfg.data.spec, pipe) for i in (0, 5))
   part = pdata.Part(readers=(0, 1), num_readers=2, batches=pieces)
-  stacked, ids = pdata.shard_part(part, cfg.data.spec, cfg.data.pipeline, 4)
+  stacked, ids = pdata.shard_part(part, cfg.data.spec, pipe, 4)
   assert ids == [0, 1, 2, 3]
   loads = [pdata.row_costs(np.diff(np.asarray(offsets))).sum() for offsets in stacked.history.offsets]
   every_row = np.concatenate([np.diff(np.asarray(b.history.offsets)) for b in pieces])

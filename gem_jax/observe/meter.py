@@ -237,7 +237,7 @@ class RunMeter:
                    "random": statistics.median(i["random"] for i in imbalances),
                    "balanced_max": max(i["balanced"] for i in imbalances),
                    "random_max": max(i["random"] for i in imbalances),
-                   "num_shards": self.imbalance_shards, "steps": len(imbalances)}
+                   "num_shards": self.imbalance_shards, "readers": self.readers, "steps": len(imbalances)}
 
     out = report.build(
         model_flops_per_step=model, step_times_s=quiet, num_devices=self.num_devices,

@@ -301,8 +301,8 @@ def plot(report: dict, history: dict, out_dir: str) -> list[str]:
           "memory_by_kind.png": (report.get("memory_bytes_per_device"), "bytes / device")}
   for name, (values, label) in bars.items():
     limit = None
-    if name == "rank_imbalance.png" and values:   # the ratios, not the shard and step counts
-      values = {k: v for k, v in values.items() if k not in ("num_shards", "steps")}
+    if name == "rank_imbalance.png" and values:   # the ratios, not the shard, reader and step counts
+      values = {k: v for k, v in values.items() if k not in ("num_shards", "readers", "steps")}
     if name == "memory_by_kind.png" and values:   # HBM as a line; XLA's bookkeeping kinds left out
       limit = values.get("hbm_bytes")
       values = {k: v for k, v in values.items()

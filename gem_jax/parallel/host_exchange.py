@@ -40,8 +40,10 @@ def _client():
 class Exchange:
   """Rounds of one JSON value per process (module docstring)."""
 
-  def __init__(self, name: str):
-    self.name = f"gem_jax/{name}/{next(_IDS)}"  # every process builds its Exchanges in the same order
+  def __init__(self, name: str, *, numbered: bool = True):
+    # Numbered: every process builds its Exchanges in the same order. Not numbered: the name alone, for one
+    # Exchange per process that a module keeps (its name must be unique among those).
+    self.name = f"gem_jax/{name}/{next(_IDS)}" if numbered else f"gem_jax/{name}"
     self.round = 0
 
   def all(self, value) -> list:

@@ -10,8 +10,9 @@ One checkpoint (a directory named by its step) holds four orbax items:
              and a CRC32 of `extra`'s JSON
   integrity  two uint32 hashes of every state leaf's bits (position-weighted sums mod 2**32), computed on
              the device in one jitted pass, so they cost no host round trip; on CPU, when this process holds
-             every leaf whole, leaf by leaf (the same sums: one pass over a few hundred leaves compiles in
-             3 to 4 s, for every new state layout)
+             every leaf whole, leaf by leaf, and in a multi-process CPU run each process over its own shards,
+             the parts added up over the coordination service (the same sums: one pass over a few hundred
+             leaves compiles in 3 to 4 s, per process, for every new state layout)
 
 Crash safety. orbax writes a checkpoint into a temporary directory and renames it to its step only once
 every item (and, multi-process, every process) is done, so a save interrupted at any moment (SIGKILL,
@@ -101,6 +102,21 @@ def _leaf_hash(x):
   return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * weights, dtype=jnp.uint32)])
 
 
+def _hash_sums(words: np.ndarray, index: np.ndarray) -> tuple[int, int]:
+  """(sum of words, sum of words * weight(index)) mod 2**32 for uint32 words at uint32 flat positions."""
+  weights = index * np.uint32(0x9E3779B1) + np.uint32(0x7F4A7C15)
+  return int(np.sum(words, dtype=np.uint32)), int(np.sum(words * weights, dtype=np.uint32))
+
+
+def _words(x) -> np.ndarray:
+  """x's bits as uint32 words, one per element, as _leaf_hash reads them (64-bit leaves canonicalized)."""
+  x = np.asarray(x)
+  x = x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
+  if x.dtype == np.bool_:
+    x = x.astype(np.uint8)
+  return np.ascontiguousarray(x).view(np.dtype(_UNSIGNED[x.dtype.itemsize])).astype(np.uint32)
+
+
 _HOST_ELEMENTS = 1 << 16  # larger CPU leaves: a jitted pass of their own (numpy takes ~9x longer per word)
 
 
@@ -108,16 +124,51 @@ def _leaf_hash_host(x) -> np.ndarray:
   """_leaf_hash in numpy, for an array this process holds whole in host memory: the same (2,) uint32. A
   64-bit leaf is hashed as the 32-bit value jit would make of it (without jax_enable_x64), as the jitted
   pass sees it."""
-  x = np.asarray(x)
-  x = x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
-  if x.dtype == np.bool_:
-    x = x.astype(np.uint8)
-  w = np.ascontiguousarray(x).reshape(-1).view(np.dtype(_UNSIGNED[x.dtype.itemsize])).astype(np.uint32)
-  weights = np.arange(w.shape[0], dtype=np.uint32) * np.uint32(0x9E3779B1) + np.uint32(0x7F4A7C15)
-  return np.array([np.sum(w, dtype=np.uint32), np.sum(w * weights, dtype=np.uint32)], np.uint32)
+  words = _words(x).reshape(-1)
+  return np.array(_hash_sums(words, np.arange(words.shape[0], dtype=np.uint32)), np.uint32)
 
 
 _leaf_hash_jit = jax.jit(_leaf_hash)
+
+
+def _positions(shape: tuple, index: tuple) -> np.ndarray:
+  """uint32 flat positions (mod 2**32) in an array of `shape` of the block at `index` (a shard's slices)."""
+  pos = np.zeros((), np.uint64)
+  stride = 1
+  for dim, s in reversed(list(zip(shape, index))):
+    start, stop, _ = s.indices(dim)
+    pos = pos + (np.arange(start, stop, dtype=np.uint64) * np.uint64(stride)).reshape((-1,) + (1,) * pos.ndim)
+    stride *= dim
+  return pos.astype(np.uint32)
+
+
+def _local_sums(x) -> tuple[int, int]:
+  """This process's part of _leaf_hash(x): its shards of replica 0, at their positions in the whole array
+  (a numpy leaf, which every process holds whole, counts on process 0 only). Summed over the processes,
+  the parts are the whole leaf's hash."""
+  if isinstance(x, (np.ndarray, np.generic)):
+    return (0, 0) if jax.process_index() else tuple(int(v) for v in _leaf_hash_host(x))
+  total, weighted = 0, 0
+  for shard in x.addressable_shards:
+    if shard.replica_id:
+      continue
+    s, w = _hash_sums(_words(shard.data).reshape(-1), _positions(x.shape, shard.index).reshape(-1))
+    total, weighted = total + s, weighted + w
+  return total % 2**32, weighted % 2**32
+
+
+_PROCESS_HASHES = None   # the Exchange of the multi-process CPU hashes (_fingerprint), made at first use
+
+
+def _fingerprint_processes(leaves: list) -> np.ndarray:
+  """_fingerprint of a multi-process CPU run: each process hashes its shards in numpy, and the processes add
+  their parts up over the coordination service (no program to compile, per process and start)."""
+  global _PROCESS_HASHES
+  if _PROCESS_HASHES is None:
+    from gem_jax.parallel import host_exchange
+    _PROCESS_HASHES = host_exchange.Exchange("checkpoint_hashes", numbered=False)
+  every = _PROCESS_HASHES.all([list(_local_sums(x)) for x in leaves])
+  return (np.sum(np.asarray(every, np.uint64), axis=0) % 2**32).astype(np.uint32)
 
 
 @jax.jit
@@ -125,13 +176,16 @@ def _fingerprint_jit(leaves: list) -> jax.Array:
   return jnp.stack([_leaf_hash(x) for x in leaves])
 
 
+def _on_cpu(x) -> bool:
+  """numpy, or a jax.Array all of whose devices (in any process) are CPUs."""
+  return isinstance(x, (np.ndarray, np.generic)) or (
+      isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set))
+
+
 def _on_host(x) -> bool:
   """A leaf whose bits this process reads without a device copy or another process: numpy, or a CPU
   jax.Array held whole here."""
-  if isinstance(x, (np.ndarray, np.generic)):
-    return True
-  return (isinstance(x, jax.Array) and x.is_fully_addressable
-          and all(d.platform == "cpu" for d in x.sharding.device_set))
+  return isinstance(x, (np.ndarray, np.generic)) or (_on_cpu(x) and x.is_fully_addressable)
 
 
 def _fingerprint(leaves: list) -> jax.Array:
@@ -141,11 +195,19 @@ def _fingerprint(leaves: list) -> jax.Array:
   pass over every leaf."""
   if not leaves:
     return jnp.zeros((0, 2), jnp.uint32)
-  # One process only: in a multi-process run every process must join the one program (a leaf held whole
-  # by some processes and not others would split them), and orbax needs the result as a global array.
+  # One process holding every leaf: numpy per leaf. Several processes on CPUs: each its own shards, summed
+  # over the processes (a leaf held whole by some and not others cannot split them: every process takes the
+  # same path). Elsewhere (GPU), one jitted pass that every process joins.
   if jax.process_count() == 1 and all(_on_host(x) for x in leaves):
     return jnp.asarray(np.stack([_leaf_hash_host(x) if np.size(x) <= _HOST_ELEMENTS else
                                  np.asarray(_leaf_hash_jit(x)) for x in leaves]))
+  if jax.process_count() > 1 and all(_on_cpu(x) for x in leaves):
+    # orbax saves an array item of a multi-process run from global arrays: the hashes replicated on every
+    # device (placed, not computed: nothing compiles).
+    hashes = _fingerprint_processes(leaves)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+    return jax.make_array_from_callback(hashes.shape, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+                                        lambda index: hashes[index])
   return _fingerprint_jit(leaves)
 
 
