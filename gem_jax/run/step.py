@@ -114,11 +114,9 @@ def make_train_step(graphdef, rest, optimizer, task, plan: Placement, state: Tra
     finite = jnp.isfinite(loss) & jnp.isfinite(dense_sq)
     with jax.named_scope(scopes.EMBEDDING_UPDATE):  # HLO op names say which collectives the table update runs
       t = update.apply(tables, optimizer.table_state(state.opt_state), g_tables, reads, calls, finite)
-    # Dense side: optax on the dense gradients only (table leaves are masked out, whatever they hold).
     dense_state = optimizer.dense_state(state.opt_state)
-    updates, new_dense_state = optimizer.dense.update(nnx.merge_state(g_dense, tables), dense_state, state.params)
-    _, dense_updates = nnx.split_state(updates, Table, ...)
-    new_dense = keep(t.finite, optax.apply_updates(dense, dense_updates), dense)
+    new_dense, new_dense_state = dense_update(optimizer, state.params, state.opt_state, g_dense)
+    new_dense = keep(t.finite, new_dense, dense)
     new_dense_state = keep(t.finite, new_dense_state, dense_state)
     opt_state = optimizer.with_parts(state.opt_state, new_dense_state, t.table_state)
     metrics = {"loss": loss, "grad_norm": jnp.sqrt(dense_sq + t.sq_norm), "nonfinite": (~t.finite).astype(jnp.int32),
@@ -127,6 +125,17 @@ def make_train_step(graphdef, rest, optimizer, task, plan: Placement, state: Tra
 
   return jax.jit(train_step, in_shardings=(shardings, NamedSharding(mesh, P(DATA_AXES))),
                  out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+
+
+def dense_update(optimizer, params, opt_state, g_dense):
+  """The dense side of a train step: optax on the dense gradients only (table leaves masked out, whatever they
+  hold) -> (the new dense parameters, the new dense optimizer state). Also what the efficiency report counts as
+  the optimizer's FLOPs (gem_jax/train/efficiency.py)."""
+  tables, dense = nnx.split_state(params, Table, ...)
+  updates, new_state = optimizer.dense.update(nnx.merge_state(g_dense, tables), optimizer.dense_state(opt_state),
+                                              params)
+  _, dense_updates = nnx.split_state(updates, Table, ...)
+  return optax.apply_updates(dense, dense_updates), new_state
 
 
 def make_eval_step(graphdef, rest, task, plan: Placement, params, capacities: dict[str, int] | None = None) -> Callable:

@@ -26,18 +26,13 @@ from gem_jax.train.hooks import Hook
 def dense_update_flops(optimizer, params, opt_state, num_devices: int) -> float | None:
   """Executed FLOPs of the optimizer update a sparse-engine step runs on the dense parameters (the whole
   optimizer would update every table row: V x E elements the step never touches), x num_devices."""
-  import optax
   from flax import nnx
 
   from gem_jax.model.embeddings import Table
+  from gem_jax.run.step import dense_update
 
   def update(params, opt_state, grads):
-    tables, dense = nnx.split_state(params, Table, ...)
-    _, g_dense = nnx.split_state(grads, Table, ...)
-    updates, new_state = optimizer.dense.update(nnx.merge_state(g_dense, tables), optimizer.dense_state(opt_state),
-                                                params)
-    _, dense_updates = nnx.split_state(updates, Table, ...)
-    return optax.apply_updates(dense, dense_updates), new_state
+    return dense_update(optimizer, params, opt_state, nnx.split_state(grads, Table, ...)[1])
 
   per_device = report_lib.executed_flops(jax.jit(update).lower(params, opt_state, params).compile())
   return per_device * num_devices if per_device is not None else None
