@@ -21,7 +21,8 @@ def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", required=True, help="named config (gem_jax/configs.py)")
   p.add_argument("--mesh", required=True, help="mesh file naming a GPU target (meshes/h200_8.yaml)")
-  p.add_argument("--out", default=None, help="folder for compile.json (default: runs/compile_<config>_<mesh>)")
+  p.add_argument("--out", default=None, help="folder for compile.json (default: runs/compile_<config>_<mesh>, then "
+                 "_<target> and a digest of the --set overrides when given)")
   p.add_argument("--target", default=None, help="compile for this target instead of the mesh file's")
   p.add_argument("--programs", default="train,eval", help="comma-separated: train, eval")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
@@ -36,7 +37,7 @@ def main(argv=None) -> dict:
   from gem_jax.config import apply_overrides
   from gem_jax.observe import gpu_compile
 
-  out = args.out or os.path.join("runs", f"compile_{args.config}_{os.path.splitext(os.path.basename(args.mesh))[0]}")
+  out = args.out or gpu_compile.default_out(args.config, args.mesh, args.target, args.set)
   try:  # bad input (config, mesh file, target, no CUDA plugin): a usage error that names it, not a traceback
     cfg = apply_overrides(dataclasses.replace(configs.get(args.config), mesh=args.mesh), args.set)
     os.makedirs(out, exist_ok=True)

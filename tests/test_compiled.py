@@ -1,8 +1,11 @@
 """What the compiler made of a program, read from text (gem_jax/observe/compiled.py): kernels, FP8 GEMMs and
 scatter atomics on hand-written HLO and PTX in the forms XLA:GPU prints; the async overlap of collectives
-(gem_jax/observe/hlo.py); and the scatter-add workaround's flag handling (gem_jax/xla_env.py)."""
+(gem_jax/observe/hlo.py); the scatter-add workaround's flag handling (gem_jax/xla_env.py); compile_for's
+default folder."""
 
 from __future__ import annotations
+
+import os
 
 import jax
 import pytest
@@ -195,3 +198,15 @@ def test_a_cuda_plugin_without_a_driver_runs_on_the_cpu(monkeypatch):
   assert not xla_env.cpu_without_driver({"JAX_PLATFORMS": "cuda"})   # the user's choice stands
   monkeypatch.setattr(xla_env, "has_nvidia_driver", lambda: True)
   assert not xla_env.cpu_without_driver({})
+
+
+def test_compile_for_names_its_default_folder_after_the_target_and_the_overrides():
+  from gem_jax.observe.gpu_compile import default_out
+  plain = default_out("small", "meshes/h200_1.yaml")
+  assert plain == os.path.join("runs", "compile_small_h200_1")
+  other = default_out("small", "meshes/h200_1.yaml", "b200")
+  assert other == os.path.join("runs", "compile_small_h200_1_b200")
+  fp8 = default_out("small", "meshes/h200_1.yaml", None, ["model.precision.policy=fp8"])
+  assert fp8.startswith(plain + "_") and len(fp8) == len(plain) + 9
+  assert fp8 != default_out("small", "meshes/h200_1.yaml", None, ["model.precision.policy=bf16"])
+  assert fp8 == default_out("small", "meshes/h200_1.yaml", None, ["model.precision.policy=fp8"])

@@ -64,6 +64,19 @@ def fp8_sites(run) -> list[str]:
           if dense.recipe is not None and fp8.get_recipe(dense.recipe).kind != "bf16"]
 
 
+def default_out(config: str, mesh: str, target: str | None = None, sets=()) -> str:
+  """experiments/compile_for.py's folder when --out is not given: runs/compile_<config>_<mesh file's stem>,
+  then _<target> with --target and a digest of the --set overrides with any, so that compiles of one config
+  for other targets or settings do not overwrite each other's compile.json."""
+  import hashlib
+  name = f"compile_{config}_{os.path.splitext(os.path.basename(mesh))[0]}"
+  if target:
+    name += f"_{target}"
+  if sets:
+    name += "_" + hashlib.sha1("\n".join(sets).encode()).hexdigest()[:8]
+  return os.path.join("runs", name)
+
+
 def _memory(compiled) -> dict:
   m = hlo.memory(compiled)
   return {"argument": m["argument"], "output": m["output"], "temp": m["temp"], "alias": m["alias"],
