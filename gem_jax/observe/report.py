@@ -310,7 +310,14 @@ def plot(report: dict, history: dict, out_dir: str) -> list[str]:
     if not values:
       continue
     fig, ax = plt.subplots(figsize=(5, 3))
-    ax.bar(list(values), [float(v) for v in values.values()])
+    names = list(values)
+    colors = None
+    if name == "memory_by_kind.png":
+      # The train state's parts are inside XLA's argument (and, donated, its output): drawn apart, not summed.
+      inside = {"params", "optimizer_state"}
+      colors = ["tab:gray" if k in inside else "tab:blue" for k in names]
+      names = [f"{k} (in argument)" if k in inside else k for k in names]
+    ax.bar(names, [float(v) for v in values.values()], color=colors)
     if limit:
       ax.axhline(float(limit), color="red", linestyle="--", label="HBM")
       ax.legend()
