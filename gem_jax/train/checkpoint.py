@@ -206,8 +206,8 @@ def _fingerprint(leaves: list) -> jax.Array:
     # device (placed, not computed: nothing compiles).
     hashes = _fingerprint_processes(leaves)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
-    return jax.make_array_from_callback(hashes.shape, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
-                                        lambda index: hashes[index])
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.make_array_from_callback(hashes.shape, replicated, lambda index: hashes[index])
   return _fingerprint_jit(leaves)
 
 
@@ -299,8 +299,8 @@ class Checkpointer:
 
     arrays = jax.tree_util.tree_map_with_path(plain, state)
     meta = {"format": FORMAT, "leaves": _leaf_table(state), "prng": prng, "extra_crc": crc}
-    # In a multi-process run the hashes come out of one jit over the (global) state, so they are a global
-    # array, which orbax requires of everything in an array item (_fingerprint).
+    # In a multi-process run the hashes are a global array (one jit over the global state, or on CPUs the
+    # processes' sums placed on every device), which orbax requires of everything in an array item.
     integrity = {"leaves": _fingerprint(jax.tree_util.tree_leaves(arrays))}
     return self._manager.save(step, force=True, args=ocp.args.Composite(
         state=ocp.args.PyTreeSave(arrays), extra=ocp.args.JsonSave(extra), meta=ocp.args.JsonSave(meta),
