@@ -6,10 +6,25 @@ of its own: freeing it unmaps it, and the next step maps it again and faults it 
 time, every step; free memory at the top of the heap beyond the trim threshold goes back to the kernel and
 faults in again the same way. Three settings keep the memory instead:
   M_MMAP_MAX 0            no allocation is a mapping of its own (the main heap grows with brk)
-  M_TRIM_THRESHOLD 1 GiB  up to 1 GiB free at the top of a heap stays there
+  M_TRIM_THRESHOLD never  free memory at the top of a heap stays there (a process keeps its peak heap)
   M_TOP_PAD 256 MiB       a heap grows 256 MiB beyond each request, so it does not grow in small steps
 A 96 MiB buffer allocated and freed in a loop faults in every page each time without them and none with them
 (tests/test_malloc_env.py).
+
+Which thread allocates matters as much. jax runs a CPU program on a worker thread by default (async
+dispatch), and glibc gives each thread's allocations a heap of at most 64 MiB (an "arena"): anything larger
+is mapped on its own whatever the settings, and unmapped when freed. So the settings also turn jax's
+async dispatch off for single-device CPU programs (`jax_cpu_enable_async_dispatch`): the step runs on the
+thread that called it, whose allocations come from the main heap that the settings keep. Before jax starts
+its CPU backend, that is: a process that ran a jax computation before importing gem_jax keeps the dispatch
+it started with, and an explicit JAX_CPU_ENABLE_ASYNC_DISPATCH in the environment is left to decide.
+Programs over several devices (a mesh of virtual CPU devices) are dispatched asynchronously either way.
+Measured side by side (2026-12-07, quiet, one-off scripts timing `gem_jax.bench.hstu_stack` steps, medians
+of 4-8): stack M's dense `reference` 1,375-1,383 ms a step and 9-13 page faults (2 MiB pages) against
+1,860-2,100 ms and 1,480 with async dispatch and a 1 GiB trim threshold (its temporaries are 2.3 GB, so
+even the main heap gave them back at that threshold); stack M's `xla` 191-195 against 211-244 ms; the
+main job (`experiments/train.py --config small --set train.steps=300`, alternating processes) 1,901-1,913
+examples/s against 1,835-1,868, the same NE.
 
 Measured on this project's 2-core machine (2026-12-05, quiet, side by side in one script each):
 - Sports' next-item step (`bench_seqrec_step.py --dataset sports --variant preset --steps 20`): 36-40 ms
@@ -18,9 +33,9 @@ Measured on this project's 2-core machine (2026-12-05, quiet, side by side in on
 - `bench_hstu_stack.py --stacks S M --impls xla` against the trim threshold and pad alone: S 1.22-1.25x
   tokens/s; M 1.05x;
 - the main job (`ab_trees.compare`, 300 steps of `small`, one run each): 1,359 examples/s against 1,362.
-Not kept: M_ARENA_MAX 1 as well. Worker threads allocate from heaps of at most 64 MiB, which map anything
-larger on their own whatever the settings; one arena for every thread keeps those too (stack M 1.23x, 62,000
-page faults a step gone), but the main job's threads then wait on its lock: 0.91x examples/s.
+Not kept: M_ARENA_MAX 1 (one heap for every thread), which kept the worker threads' large buffers too
+(stack M 1.23x, 62,000 page faults a step gone), but made the main job's threads wait on its lock: 0.91x
+examples/s. Synchronous dispatch keeps them without the lock.
 
 Transparent huge pages. This machine's kernel gives a 2 MiB page only where a program asks for one
 (/sys/kernel/mm/transparent_hugepage/enabled: madvise), and glibc asks for its heap only when its tunable
@@ -47,9 +62,12 @@ import sys
 VAR = "GEM_JAX_MALLOC"
 TUNABLES, HUGE_PAGES = "GLIBC_TUNABLES", "glibc.malloc.hugetlb=1"
 _STARTED_WITH = os.environ.get(TUNABLES, "")   # read before apply() adds to it
-# glibc's <malloc.h> parameters and the values set.
+# glibc's <malloc.h> parameters and the values set. mallopt takes an int and glibc stores the trim threshold
+# as a size_t: -1 is the largest threshold there is, which no heap reaches.
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
-SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 256 << 20))
+NEVER = -1
+SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER), (M_TOP_PAD, 256 << 20))
+ASYNC_DISPATCH = "JAX_CPU_ENABLE_ASYNC_DISPATCH"
 
 
 def apply(environ=os.environ) -> str:
@@ -70,7 +88,19 @@ def apply(environ=os.environ) -> str:
     return "unavailable"
   if HUGE_PAGES not in environ.get(TUNABLES, ""):   # for the processes this one starts
     environ[TUNABLES] = ":".join(t for t in (environ.get(TUNABLES, ""), HUGE_PAGES) if t)
+  if ASYNC_DISPATCH not in environ:
+    _run_on_the_calling_thread()
   return "set"
+
+
+def _run_on_the_calling_thread() -> None:
+  """jax's CPU programs on the thread that calls them (module docstring); a jax without the option keeps its
+  own dispatch."""
+  import jax
+  try:
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+  except (AttributeError, KeyError):
+    pass
 
 
 def without_huge_pages(environ=os.environ) -> dict:

@@ -1,6 +1,6 @@
 """gem_jax/malloc_env.py: a large buffer freed and allocated again (what an XLA:CPU step does with its
-temporaries) is not faulted in again page by page once gem_jax has set the allocator; with GEM_JAX_MALLOC=0
-it is, which is what the settings are for."""
+temporaries) is not faulted in again page by page once gem_jax has set the allocator, whatever its size and
+in a jitted program too; with GEM_JAX_MALLOC=0 it is, which is what the settings are for."""
 
 import os
 import subprocess
@@ -11,13 +11,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = r"""
-import ctypes, resource
+import ctypes, os, resource
 import gem_jax
 
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
 libc.free.argtypes = (ctypes.c_void_p,)
-SIZE = 96 << 20
+SIZE = int(os.environ["PROBE_MIB"]) << 20
 
 def churn(n):
   for _ in range(n):
@@ -25,32 +25,70 @@ def churn(n):
     ctypes.memset(p, 1, SIZE)
     libc.free(p)
 
-churn(2)
+churn(1)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-churn(10)
+churn(3)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-print(gem_jax.MALLOC_ENV, (after - before) / 10 / (SIZE // 4096))
+print(gem_jax.MALLOC_ENV, (after - before) / 3 / (SIZE // 4096))
+"""
+
+# A jitted program whose output (32,768 x 1,024 float32, 128 MiB) is larger than a worker thread's heap.
+JITTED = r"""
+import resource
+import gem_jax
+import jax, jax.numpy as jnp
+
+f = jax.jit(lambda a, b: jnp.tanh(a @ b))
+a, b = jnp.ones((32768, 64)), jnp.ones((64, 1024))
+for _ in range(2):   # the heap grows to hold two: a call's output can be freed after the next call starts
+  f(a, b).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+  f(a, b).block_until_ready()
+after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+print(gem_jax.MALLOC_ENV, (after - before) / 3 / (128 << 20 >> 12))
 """
 
 
-def _probe(**env):
-  # Without the huge-page tunable (this process's import of gem_jax exported it): 4 KiB pages, one fault each.
-  base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-  out = subprocess.run([sys.executable, "-c", PROBE], env=dict(base, JAX_PLATFORMS="cpu", **env),
+def _probe(program=PROBE, **env):
+  """(apply()'s state, page faults per 4 KiB page of the buffer per round) from a fresh process: without the
+  huge-page tunable (this process's import of gem_jax exported it), so 4 KiB pages, one fault each, and
+  without an explicit dispatch setting."""
+  base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "JAX_CPU_ENABLE_ASYNC_DISPATCH")}
+  out = subprocess.run([sys.executable, "-c", program], env=dict(base, JAX_PLATFORMS="cpu", **env),
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   state, faults_per_page = out.stdout.split()
   return state, float(faults_per_page)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the allocator settings are glibc's (Linux)")
-def test_a_freed_large_buffer_is_reused_without_page_faults():
-  state, faults = _probe()
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the allocator settings are glibc's")
+
+
+@linux_only
+@pytest.mark.parametrize("mib", [96, 1280])   # under and over the 1 GiB trim threshold the settings once had
+def test_a_freed_large_buffer_is_reused_without_page_faults(mib):
+  state, faults = _probe(PROBE_MIB=str(mib))
   if state == "unavailable":
     pytest.skip("this C library has no mallopt")
   assert state == "set" and faults < 0.05, (state, faults)
-  state, faults = _probe(GEM_JAX_MALLOC="0")
-  assert state == "off" and faults > 0.5, (state, faults)   # glibc's defaults: every page, every time
+  if mib < 1024:   # (glibc's defaults map the larger one on its own as well)
+    state, faults = _probe(PROBE_MIB=str(mib), GEM_JAX_MALLOC="0")
+    assert state == "off" and faults > 0.5, (state, faults)   # glibc's defaults: every page, every time
+
+
+@linux_only
+def test_a_jitted_programs_large_buffers_are_reused_without_page_faults():
+  """The program runs on the calling thread (no async dispatch), whose heap keeps its buffers; on jax's worker
+  thread a buffer over 64 MiB is a mapping of its own, faulted in every call."""
+  state, faults = _probe(JITTED)
+  if state == "unavailable":
+    pytest.skip("this C library has no mallopt")
+  assert state == "set" and faults < 0.05, (state, faults)
+  state, faults = _probe(JITTED, JAX_CPU_ENABLE_ASYNC_DISPATCH="true")   # the heap settings alone
+  assert state == "set" and faults > 0.5, (state, faults)
+  state, faults = _probe(JITTED, GEM_JAX_MALLOC="0")
+  assert state == "off" and faults > 0.5, (state, faults)
 
 
 
@@ -63,7 +101,7 @@ print("run", malloc_env.started_with_huge_pages(), os.environ.get("GLIBC_TUNABLE
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the allocator settings are glibc's (Linux)")
+@linux_only
 def test_a_script_started_without_the_huge_page_tunable_runs_again_with_it(tmp_path):
   """glibc reads GLIBC_TUNABLES only at a process's start: the script starts over once, with the tunable added
   to what was there and its arguments kept; with the settings off it runs as it was started."""
