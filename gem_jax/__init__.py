@@ -8,4 +8,5 @@ CPU_WITHOUT_DRIVER = _xla_env.cpu_without_driver()
 # Opt-in collector thresholds for a process that mostly traces and compiles (gem_jax/gc_env.py).
 GC_THRESHOLDS = _gc_env.apply()
 # Freed heap memory stays for the next step instead of faulting back in page by page (gem_jax/malloc_env.py).
+# It imports jax (to set its CPU dispatch), so it comes after everything above that sets what jax reads then.
 MALLOC_ENV = _malloc_env.apply()

@@ -12,19 +12,24 @@ A 96 MiB buffer allocated and freed in a loop faults in every page each time wit
 (tests/test_malloc_env.py).
 
 Which thread allocates matters as much. jax runs a CPU program on a worker thread by default (async
-dispatch), and glibc gives each thread's allocations a heap of at most 64 MiB (an "arena"): anything larger
-is mapped on its own whatever the settings, and unmapped when freed. So the settings also turn jax's
-async dispatch off for single-device CPU programs (`jax_cpu_enable_async_dispatch`): the step runs on the
-thread that called it, whose allocations come from the main heap that the settings keep. Before jax starts
-its CPU backend, that is: a process that ran a jax computation before importing gem_jax keeps the dispatch
-it started with, and an explicit JAX_CPU_ENABLE_ASYNC_DISPATCH in the environment is left to decide.
-Programs over several devices (a mesh of virtual CPU devices) are dispatched asynchronously either way.
+dispatch), and glibc gives a thread other than the main one heaps of at most 64 MiB (an "arena"): anything
+larger is mapped on its own whatever the settings, and unmapped when freed. So the settings also turn
+jax's async dispatch off (`jax_cpu_enable_async_dispatch`, a jax flag that no environment variable sets):
+a program on one local device then runs on the thread that called it, which in this project's scripts is
+the main thread, whose heap the settings keep. A program over several local devices (a mesh of virtual
+CPU devices) is dispatched asynchronously either way; a multi-process run with one device per process
+runs its steps, collectives included, on the calling thread, in step with its peers as before.
+GEM_JAX_ASYNC_DISPATCH=1 keeps jax's async dispatch. For this, importing gem_jax imports jax (after
+gem_jax/xla_env.py has decided the variables jax reads when it is imported), and the flag counts only
+until jax starts its CPU backend: a process that started a backend before importing gem_jax keeps the
+dispatch it started with.
 Measured side by side (2026-12-07, quiet, one-off scripts timing `gem_jax.bench.hstu_stack` steps, medians
 of 4-8): stack M's dense `reference` 1,375-1,383 ms a step and 9-13 page faults (2 MiB pages) against
-1,860-2,100 ms and 1,480 with async dispatch and a 1 GiB trim threshold (its temporaries are 2.3 GB, so
-even the main heap gave them back at that threshold); stack M's `xla` 191-195 against 211-244 ms; the
-main job (`experiments/train.py --config small --set train.steps=300`, alternating processes) 1,901-1,913
-examples/s against 1,835-1,868, the same NE.
+1,860-2,100 ms and 1,480 with async dispatch (its temporaries are 2.3 GB; the 1 GiB trim threshold the
+settings had before gave them back at every step even from the main heap); stack M's `xla` 191-195
+against 211-244 ms. The main job (`experiments/train.py --config small --set
+train.steps=300`, alternating processes) 2,012 and 1,880 examples/s against 1,990 and 1,891 with async
+dispatch kept, the same NE.
 
 Measured on this project's 2-core machine (2026-12-05, quiet, side by side in one script each):
 - Sports' next-item step (`bench_seqrec_step.py --dataset sports --variant preset --steps 20`): 36-40 ms
@@ -67,7 +72,7 @@ _STARTED_WITH = os.environ.get(TUNABLES, "")   # read before apply() adds to it
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
 NEVER = -1
 SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER), (M_TOP_PAD, 256 << 20))
-ASYNC_DISPATCH = "JAX_CPU_ENABLE_ASYNC_DISPATCH"
+KEEP_ASYNC = "GEM_JAX_ASYNC_DISPATCH"   # "1": jax keeps its async CPU dispatch
 
 
 def apply(environ=os.environ) -> str:
@@ -88,7 +93,7 @@ def apply(environ=os.environ) -> str:
     return "unavailable"
   if HUGE_PAGES not in environ.get(TUNABLES, ""):   # for the processes this one starts
     environ[TUNABLES] = ":".join(t for t in (environ.get(TUNABLES, ""), HUGE_PAGES) if t)
-  if ASYNC_DISPATCH not in environ:
+  if environ.get(KEEP_ASYNC, "").strip() != "1":
     _run_on_the_calling_thread()
   return "set"
 

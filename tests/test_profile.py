@@ -39,6 +39,12 @@ def test_classify_counts_top_level_events_and_splits_collectives():
   got = profile.classify([host, gpu])
   assert got["source"] == "device XLA Ops lines" and (got["compute_ns"], got["collective_ns"]) == (60, 30)
   assert profile.classify([_plane("/host:CPU", [("python", [_event("x", 0, 5)])])]) is None
+  # A synchronously dispatched program runs part of itself on the calling thread, whatever its name: its
+  # thunks count there too, found by the runtime's "end: <instruction>" markers.
+  caller = ("python", [_event("PjitFunction(f)", 0, 10_000), _event("ynn_fusion", 10, 70),
+                       _event("end: ynn_fusion", 80, 1), _event("wrapped_add.2", 90, 6)])
+  got = profile.classify([_plane("/host:CPU", [caller, ("tf_XLAEigen/1", [_event("fusion.3", 0, 100)])])])
+  assert got == {"compute_ns": 176, "collective_ns": 0, "events": 3, "source": "host XLA worker threads"}
 
 
 def test_trace_of_a_sharded_program_has_compute_and_collectives(tmp_path):

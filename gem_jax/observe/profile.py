@@ -5,9 +5,10 @@
 
 Where the ops are read from:
   GPU    the device planes ("/device:GPU:*"), line "XLA Ops" (one event per executed HLO op or fusion);
-  CPU    the host plane's XLA threads ("tf_XLAEigen*", "tf_XLAPjRtCpuClient*"), where the CPU runtime
-         records one event per thunk (fusions, dots, all-reduce, ...) among its own bookkeeping events;
-         only events named like an HLO instruction count.
+  CPU    the host plane's XLA threads ("tf_XLAEigen*", "tf_XLAPjRtCpuClient*") and the thread that called
+         a synchronously dispatched program (it runs part of it), where the CPU runtime records one event
+         per thunk (fusions, dots, all-reduce, ...) among its own bookkeeping events; only events named
+         like an HLO instruction count.
 Only top-level events of a line count (an all-reduce's nested "Rendezvous" is part of it). Collectives
 are recognised by HLO op name (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute,
 their -start/-done halves, NCCL kernels). Times are busy time summed over the devices (or the worker
@@ -54,8 +55,16 @@ def xla_lines(planes):
   device = [line for p in planes if p.name.startswith("/device:") for line in p.lines if line.name == "XLA Ops"]
   if device:
     return device, lambda name: True, "device XLA Ops lines"
-  host = [line for p in planes if p.name.startswith("/host:") for line in p.lines if _HOST_XLA_LINE.match(line.name)]
+  host = [line for p in planes if p.name.startswith("/host:") for line in p.lines if _runs_xla(line)]
   return host, _HLO_NAME.match, "host XLA worker threads"
+
+
+def _runs_xla(line) -> bool:
+  """A host thread that ran XLA:CPU's instructions: one of XLA's named threads, or a thread of another name
+  that has the runtime's "end: <instruction>" markers: the thread that called a program dispatched
+  synchronously (gem_jax/malloc_env.py), which runs part of it itself."""
+  return bool(_HOST_XLA_LINE.match(line.name)) or any(
+      e.name.startswith("end: ") and _HLO_NAME.match(e.name[5:]) for e in line.events)
 
 
 def latest_trace(directory: str) -> str | None:

@@ -283,6 +283,9 @@ def _compare(args, ref_dir: str, drill_dir: str) -> dict:
   import jax
   import numpy as np
 
+  # jax read JAX_PLATFORMS when gem_jax imported it (gem_jax/malloc_env.py); its backends start only now.
+  jax.config.update("jax_platforms", "cpu")
+
   from gem_jax.run.build import build
   from gem_jax.train.checkpoint import Checkpointer
 
