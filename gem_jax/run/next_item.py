@@ -116,16 +116,19 @@ def _chunked_loss_and_grads(user_TxD, table_IxD, targets_T, temperature, chunk):
   w_T = jnp.where(valid_T, 1.0 / temperature, 0.0)   # d(logit)/d(score), zero on padding tokens
   items_JxD = table_IxD[1:]
 
-  def one_chunk(ditems_JxD, xs):
+  def one_chunk(ditems_DxJ, xs):
     user_CxD, w_C = xs
     lse_C, logits_CxJ = _chunk_logits(user_CxD, items_JxD, temperature)
     p_CxJ = jnp.exp(logits_CxJ - lse_C[:, None]) * w_C[:, None]
-    ditems_JxD = ditems_JxD + jnp.einsum("cj,cd->jd", p_CxJ, user_CxD, preferred_element_type=jnp.float32)
-    return ditems_JxD, (lse_C, p_CxJ @ items_JxD)
+    # The item gradient is summed transposed, D x J: with the long item axis last, XLA:CPU's product over the
+    # chunk's tokens took 0.62-0.76x the time of the J x D one (C = 512, D = 128, J = 3,705 to 18,357), and
+    # the whole loss with its gradients 0.89-0.92x, the same numbers (one core, 2026-12-07).
+    ditems_DxJ = ditems_DxJ + jnp.einsum("cd,cj->dj", user_CxD, p_CxJ, preferred_element_type=jnp.float32)
+    return ditems_DxJ, (lse_C, p_CxJ @ items_JxD)
 
-  ditems_JxD, (lse, duser) = jax.lax.scan(one_chunk, jnp.zeros(items_JxD.shape, jnp.float32),
+  ditems_DxJ, (lse, duser) = jax.lax.scan(one_chunk, jnp.zeros(items_JxD.shape[::-1], jnp.float32),
                                           (_token_chunks(user_TxD, chunk), _token_chunks(w_T, chunk)))
-  dtable_IxD = jnp.concatenate([jnp.zeros((1, table_IxD.shape[1]), jnp.float32), ditems_JxD])
+  dtable_IxD = jnp.concatenate([jnp.zeros((1, table_IxD.shape[1]), jnp.float32), ditems_DxJ.T])
   T = user_TxD.shape[0]
   lse_T, duser_TxD = lse.reshape(-1)[:T], duser.reshape(-1, user_TxD.shape[1])[:T]
   target_TxD = table_IxD[targets_T]
