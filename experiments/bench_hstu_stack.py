@@ -1,7 +1,7 @@
 """HSTU layer stacks, one training step each (forward, backward, AdamW; float32) over heavy-tailed jagged rows
 (gem_jax/bench/hstu_stack.py says what is measured and how).
 
-  python experiments/bench_hstu_stack.py                          # stacks S and M, impls xla, dense, reference
+  python experiments/bench_hstu_stack.py                          # stacks S and M, impls xla, cpp, dense, reference
   python experiments/bench_hstu_stack.py --stacks S --impls xla --reps 20
   python experiments/bench_hstu_stack.py --no-rel-bias              # the layers without the relative bias
   python experiments/bench_hstu_stack.py --tiles --reps 10          # the attention alone at each tile config
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
   hstu_stack = _bench_module()
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--stacks", nargs="+", default=list(hstu_stack.STACKS), choices=list(hstu_stack.STACKS))
-  p.add_argument("--impls", nargs="+", default=list(hstu_stack.IMPLS), choices=list(hstu_stack.IMPLS))
+  p.add_argument("--impls", nargs="+", default=list(hstu_stack.DEFAULT_IMPLS), choices=list(hstu_stack.IMPLS))
   p.add_argument("--reps", type=int, default=10, help="timed steps per process (after one compile step)")
   p.add_argument("--rounds", type=int, default=3, help="fresh processes per (stack, impl, tree)")
   p.add_argument("--seed", type=int, default=0)

@@ -1,11 +1,13 @@
 """One public entry per kernel. `impl` picks the implementation by name from a registry:
 
-  "xla"     pure jnp/lax, runs on every backend (the CPU default)
+  "xla"     pure jnp/lax, runs on every backend (the CPU default of the jagged softmax)
   "reference" the pure-jnp spec (pads to B x N x N)
   "dense"   the spec's padded work, one row per loop step with its own backward (HSTU only)
+  "cpp"     a C++ kernel called through XLA's FFI (HSTU only; CPU only; built on first use)
   "pallas"  Pallas kernel (Triton-lowered on GPU; interpret mode elsewhere)
   "triton"  jax-triton forward kernel (GPU only; its backward is the reference's)
-  "auto"    pallas on GPU, xla elsewhere
+  "auto"    pallas on GPU; on CPU cpp for HSTU (xla where it cannot be built, or when tiles are asked for);
+            xla elsewhere
 
 "GPU" is the platform of the program being built (gem_jax/runtime.py `platform()`: the target of the mesh a
 step is traced for, gem_jax/parallel/target.py), not the host's default backend: a step built for an H200
@@ -16,12 +18,15 @@ Model code calls these functions only; it never imports a kernel module directly
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from typing import Callable
 
 import jax
 
 from gem_jax import runtime
 from pallas_kernels.hstu_attention import api as hstu_pallas
+from pallas_kernels.hstu_attention import cpu as hstu_cpu
 from pallas_kernels.hstu_attention import dense as hstu_dense
 from pallas_kernels.hstu_attention import query_block as hstu_query_block
 from pallas_kernels.hstu_attention import reference as hstu_reference
@@ -65,6 +70,15 @@ def _hstu_triton(*args, **kwargs):
 _HSTU_IMPLS["triton"] = _hstu_triton
 
 
+def _hstu_cpp(*args, **kwargs):
+  if runtime.platform() != "cpu":
+    raise ValueError(f"hstu_attention: impl 'cpp' runs on CPU only, not on {runtime.platform()!r}")
+  return hstu_cpu.hstu_attention(*args, **kwargs)
+
+
+_HSTU_IMPLS["cpp"] = _hstu_cpp
+
+
 def register_hstu_impl(name: str, fn: Callable) -> None:
   _HSTU_IMPLS[name] = fn
 
@@ -85,7 +99,7 @@ def softmax_impls() -> tuple[str, ...]:
 
 def hstu_impl(name: str) -> Callable:
   """The HSTU attention function registered as `name` ("auto" resolved for the current platform)."""
-  return _resolve(name, _HSTU_IMPLS, "hstu_attention")
+  return _resolve(_auto_hstu(name, None), _HSTU_IMPLS, "hstu_attention")
 
 
 def softmax_impl(name: str) -> Callable:
@@ -95,6 +109,22 @@ def softmax_impl(name: str) -> Callable:
 
 def _auto(impl: str) -> str:
   return impl if impl != "auto" else "pallas" if runtime.platform() == "gpu" else "xla"
+
+
+@functools.cache
+def _cpp_builds() -> bool:
+  ok, why = hstu_cpu.available()
+  if not ok:
+    warnings.warn(f"hstu_attention: the C++ CPU kernel is unavailable ({why}); impl 'auto' takes 'xla'", stacklevel=3)
+  return ok
+
+
+def _auto_hstu(impl: str, tiles) -> str:
+  """HSTU's "auto": the C++ kernel on CPU (3-4x the tiled loop's forward + backward on heavy-tailed rows, README),
+  unless `tiles` asks for the tiled loop or the kernel cannot be built here."""
+  if impl != "auto" or runtime.platform() != "cpu":
+    return _auto(impl)
+  return "xla" if tiles is not None or not _cpp_builds() else "cpp"
 
 
 def _resolve(impl: str, registry: dict[str, Callable], kernel: str) -> Callable:
@@ -129,8 +159,9 @@ def hstu_attention(q_TxHxD, k_TxHxD, v_TxHxDv, offsets_Bp1, *, max_seq_len: int,
   tiles: the tile edge and tiles per loop step of the `xla` impl: None for hstu_tiled.DEFAULT_TILES, a
   hstu_tiled.TileConfig, or "auto" for the autotuner's pick for this call's shape bucket on this backend
   (pallas_kernels/hstu_attention/tune.py; cached in memory and in the file $GEM_JAX_HSTU_TILES). Other impls
-  have no tiles: they refuse a TileConfig and ignore "auto".
+  have no tiles: they refuse a TileConfig and ignore "auto". With impl "auto" on CPU, tiles pick `xla`.
   """
+  impl = _auto_hstu(impl, tiles)
   fn = _resolve(impl, _HSTU_IMPLS, "hstu_attention")
   tiled = fn is hstu_tiled.hstu_attention
   if tiles is not None and tiles != "auto" and not isinstance(tiles, hstu_tiled.TileConfig):

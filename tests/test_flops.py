@@ -53,7 +53,8 @@ def test_derived_flops_match_xla_on_unpadded_batch(name, length):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-  run = build(configs.get("tiny"), abstract=True)
+  """The tiny config on the tiled attention loop (`xla`), whose executed work the model counts per tile."""
+  run = build(apply_overrides(configs.get("tiny"), ["model.hstu.attn_impl=xla"]), abstract=True)
   return run, flops.FlopModel(run)
 
 
@@ -119,9 +120,42 @@ def test_executed_tiled_flops_follow_the_configured_tile_edge(tiny_model):
   the count-only trace records the edge with each attention call, and "auto" (picked per batch) says so."""
   _, model32 = tiny_model
   model = lambda tiles: flops.FlopModel(build(apply_overrides(configs.get("tiny"), [f"model.hstu.attn_tiles={tiles}"]),
-                                              abstract=True))
+                                              abstract=True))   # tiles pick the xla impl under "auto"
   model64, auto = model("64x8"), model("auto")
   assert {c.block for p in model64.pieces for c, _, _ in p.calls} == {64} and not model64.notes
   lengths = np.array([3, 17, 32])   # rows of at most 35 tokens: one 64-token tile each, 1-2 x 32 x 32 pairs
   assert model64.tiled_train(lengths) > 1.3 * model32.tiled_train(lengths)
   assert any("attn_tiles=auto" in note for note in auto.notes)
+
+
+def test_the_cpp_kernels_executed_pairs_are_its_blocks():
+  """cpu.executed_pairs follows the kernel's loops: a 100-token causal row is forward query blocks [0, 64) x keys
+  [0, 64) and [64, 100) x [0, 112), backward key blocks [0, 64) x queries [0, 112) and [64, 100) x [64, 112);
+  the contextual tokens' queries join every key block; a non-causal row is every block pair."""
+  from pallas_kernels.hstu_attention import cpu
+  assert cpu.executed_pairs([100], 200) == (64 * 64 + 36 * 112, 64 * 112 + 36 * 48)
+  assert cpu.executed_pairs([100], 200, contextual_seq_len=20) == (64 * 112 + 36 * 112, 64 * 112 + 36 * (48 + 32))
+  assert cpu.executed_pairs([100], 200, causal=False) == (100 * 112, 100 * 112)
+  assert cpu.executed_pairs([100, 0, 300], 200) == tuple(a + b for a, b in zip(cpu.executed_pairs([100], 200),
+                                                                               cpu.executed_pairs([200], 200)))
+  rng = np.random.default_rng(0)
+  for n in rng.integers(1, 400, size=20):
+    fwd, bwd = cpu.executed_pairs([n], 512)
+    causal = n * (n + 1) // 2
+    assert causal <= fwd <= causal + 64 * n and causal <= bwd <= causal + 80 * n, (n, fwd, bwd)
+
+
+def test_the_cpp_kernel_is_counted_where_xla_cannot_see_it():
+  """With the C++ kernel (the CPU default of impl auto) the FLOP model says so and counts its executed work,
+  heads and widths included, from each call's row lengths."""
+  from pallas_kernels.hstu_attention import cpu
+  run = build(apply_overrides(configs.get("tiny"), ["model.hstu.attn_impl=cpp"]), abstract=True)
+  model = flops.FlopModel(run)
+  assert model.native and not model.tiled
+  assert model.native_train([0, 16, 32]) > model.native_train([0, 16]) > 0
+  _, calls, _ = flops.trace_row(run, 20)
+  want = 0.0
+  for c in calls:
+    fwd, bwd = cpu.executed_pairs([c.length], c.max_seq_len, contextual_seq_len=c.num_contextual)
+    want += c.heads * (fwd * (2 * (c.dh + c.dv) + 8) + bwd * (2 * (3 * c.dh + 2 * c.dv) + 16))
+  assert model.native_train([20]) == pytest.approx(want, rel=1e-12)

@@ -27,7 +27,7 @@ def _inputs(d):
   return [jnp.asarray(rng.normal(size=(t, H, d)), jnp.float32) for _ in range(3)], offsets
 
 
-CASES = [("hstu", impl, d) for impl in ("reference", "xla", "pallas") for d in (32, 128)] + [
+CASES = [("hstu", impl, d) for impl in ("reference", "xla", "pallas", "cpp") for d in (32, 128)] + [
     ("softmax", impl, d) for impl in ("reference", "xla", "blocked", "pallas") for d in (32, 128)]
 
 

@@ -24,7 +24,7 @@ def test_unknown_impl_names_the_choices():
     ops.hstu_attention(q, k, v, off, max_seq_len=6, alpha=0.5, impl="cuda")
 
 
-@pytest.mark.parametrize("impl", ["auto", "xla", "reference", "pallas"])
+@pytest.mark.parametrize("impl", ["auto", "xla", "reference", "pallas", "cpp"])
 def test_hstu_impls_match_the_reference(impl):
   q, k, v, off = _qkv()
   kw = dict(max_seq_len=6, alpha=0.5, num_targets=jnp.array([1, 0, 1], jnp.int32), contextual_seq_len=1)

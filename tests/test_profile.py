@@ -115,8 +115,8 @@ def test_with_several_programs_the_reports_per_step_numbers_come_from_the_steps_
   for s in range(7):
     small = s % 2 == 1
     at += 0.1 if small else 0.2
-    m.steps[s] = meter._Step(1e9 if small else 2e9, 0.0, 8, 0.0, None, drained_at=at)
-  m.notes, m.tiled, m.num_devices, m.peak, m.peak_source = [], False, 1, 1e12, "given"
+    m.steps[s] = meter._Step(1e9 if small else 2e9, 0.0, 0.0, 8, 0.0, None, drained_at=at)
+  m.notes, m.tiled, m.native, m.num_devices, m.peak, m.peak_source = [], False, False, 1, 1e12, "given"
   m.imbalance_shards, m._state_bytes, m.mesh_spec, m.trace = 1, None, None, None
   common = dict(compiled=None, mesh=None, optimizer_flops_per_step=None, compile_s=None, time_to_first_step_s=None,
                 one_device=None, history={})

@@ -98,11 +98,11 @@ def _h200_abstract_mesh():
   return jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=h200)
 
 
-def _exported(fn, *args) -> str:
-  """fn exported for CUDA, as StableHLO text."""
+def _exported(fn, *args, calls=(_TRITON_CALL,)) -> str:
+  """fn exported for CUDA, as StableHLO text (`calls`: the custom call targets let through)."""
   with jax.sharding.use_abstract_mesh(_h200_abstract_mesh()):
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
-                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON_CALL)])(*args)
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(c) for c in calls])(*args)
   return exported.mlir_module()
 
 
@@ -130,8 +130,12 @@ def test_attention_auto_follows_the_target_not_the_host():
   args = (jax.ShapeDtypeStruct((32, 2, 16), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.int32))
   h200 = jax.value_and_grad(_in_step(target_lib.get("h200"), _attention_loss))
   assert _triton_calls(h200, *args) == ["hstu_attention_dkv", "hstu_attention_dq", "hstu_attention_fwd"]
-  # The same code built for the CPU: the tiled XLA path, no kernel at all.
-  assert _triton_calls(jax.value_and_grad(_in_step(target_lib.CPU, _attention_loss)), *args) == []
+  # The same code built for the CPU: the C++ kernel's CPU custom calls (pallas_kernels/hstu_attention/cpu.py), and
+  # no Triton kernel.
+  cpu_kernel = ("gem_hstu_cpu_forward", "gem_hstu_cpu_backward")
+  text = _exported(jax.value_and_grad(_in_step(target_lib.CPU, _attention_loss)), *args,
+                   calls=(_TRITON_CALL, *cpu_kernel))
+  assert sorted(set(re.findall(r"custom_call @(\w+)", text))) == sorted(cpu_kernel)
 
 
 @pytest.mark.parametrize("target, recipe, impl", [

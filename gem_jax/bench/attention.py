@@ -243,6 +243,8 @@ def registered_impls(*, on_gpu: bool, pallas: bool = True,
         continue
       if name == "triton" and not on_gpu:
         out[kernel][name] = "the Triton kernel runs only on GPU (jax-triton)"
+      elif name == "cpp" and on_gpu:
+        out[kernel][name] = "the C++ kernel runs only on CPU"
       elif name == "pallas" and not pallas:
         out[kernel][name] = "Pallas interpret mode is an emulator: timed only on the smallest shape"
       else:

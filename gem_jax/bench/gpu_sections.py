@@ -140,6 +140,8 @@ def _attention_variants(family: str, on_gpu: bool, rehearse: bool) -> dict:
       out[f"pallas_b{block.block_q}"] = functools.partial(pallas, block=block, interpret=not on_gpu)
     elif name == "triton" and not on_gpu:
       out[name] = "runs only on GPU (Triton's interpreter checks it in tests/test_hstu_triton.py)"
+    elif name == "cpp" and on_gpu:
+      out[name] = "runs only on CPU (tests/test_hstu_cpu.py checks it)"
     else:
       out[name] = get(name)
   return out

@@ -7,8 +7,9 @@ Stacks (row lengths lognormal with sigma 1 around the mean, from a fixed seed, c
   M: D=256, H=4, Dh=Dv=64, 4 layers, B=32, N=512, mean length 100
 Each layer is gem_jax.model.hstu.HSTULayer with no contextual tokens and no targets, so the causal mask is the
 whole mask; the loss is the mean squared output over real tokens. `impl` is the attention kernel
-(gem_jax.ops.hstu_attention): `xla` the tiled jagged loop, `reference` the dense padded B x N x N spec, `dense`
-the same padded work one row per loop step with its own backward.
+(gem_jax.ops.hstu_attention): `xla` the tiled jagged loop, `cpp` the C++ kernel, `reference` the dense padded
+B x N x N spec, `dense` the same padded work one row per loop step with its own backward, `auto` whatever the
+measured tree's default is (to compare a tree's default path with an older one's).
 
 Per (stack, impl, tree): the median step time over `reps` timed steps (after a compile step), tokens/s (real
 tokens per second), model FLOP/s and its share of a float32 GEMM peak measured in the same process (the best
@@ -36,7 +37,8 @@ STACKS = {
     "M": {"model_dim": 256, "heads": 4, "head_dim": 64, "value_dim": 64, "layers": 4, "batch": 32, "max_len": 512,
           "mean_len": 100},
 }
-IMPLS = ("xla", "dense", "reference")
+IMPLS = ("auto", "xla", "cpp", "dense", "reference")
+DEFAULT_IMPLS = ("xla", "cpp", "dense", "reference")
 GEMM_SIZES = (512, 1024, 2048)
 
 

@@ -18,7 +18,9 @@ percent); a train step costs TRAIN_FLOPS_FACTOR = 3 forward passes.
 
 For the tiled HSTU kernel ("xla" impl) the trainer adds the tiles its dynamic loops walk, which XLA's cost
 analysis counts once: `tiled_train` counts them for every recorded attention call from its row lengths
-(`tiled_attention_tiles`, held to the kernel's own count by tests/test_flops.py).
+(`tiled_attention_tiles`, held to the kernel's own count by tests/test_flops.py). The C++ kernel ("cpp" impl) is
+a custom call, invisible to that analysis: `native_train` adds the pairs its blocks compute
+(pallas_kernels/hstu_attention/cpu.py executed_pairs).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax
 import numpy as np
 
 from gem_jax import runtime
+from pallas_kernels.hstu_attention import cpu as hstu_cpu
 from pallas_kernels.hstu_attention import tiled as hstu_tiled
 
 ATTN_POINTWISE_FLOPS = {"hstu": 8, "softmax": 0}
@@ -130,6 +133,7 @@ class FlopModel:
     for lo, hi in zip(bounds[:-1], bounds[1:]):
       self._fit(lo, hi, depth=0)
     self.tiled = any(c.impl == "xla" and c.kind == "hstu" for c in calls)
+    self.native = any(c.impl == "cpp" and c.kind == "hstu" for c in calls)
     self.notes = []
     if any(c.impl == "xla" and c.kind == "softmax" for c in calls):
       self.notes.append("tiled softmax attention loops are not added to the executed FLOPs")
@@ -206,26 +210,41 @@ class FlopModel:
   def forward_per_row(self, n: int) -> float:
     return self.forward([n])
 
+  def _hstu_calls(self, lengths, impl: str):
+    """(call, its row lengths) for every recorded HSTU attention call of `impl`, over rows of these lengths."""
+    n = np.asarray(lengths, np.int64)
+    which = self._piece_index(n)
+    for i, piece in enumerate(self.pieces):
+      rows = n[which == i]
+      for call, slope, intercept in piece.calls:
+        if call.kind == "hstu" and call.impl == impl:
+          yield call, np.rint(slope * rows + intercept).astype(np.int64)
+
   def tiled_train(self, lengths) -> float:
     """FLOPs a train step spends inside the tiled HSTU loops for rows of these lengths (padding rows
     included: the kernel walks their contextual and target tokens too). Per (pair, head) of a walked tile:
     forward q.k (2 Dh) and w.v (2 Dv); backward recomputes q.k and does dw, dq, dk, dv (2 (3 Dh + 2 Dv));
     pointwise work three times ATTN_POINTWISE_FLOPS (forward, backward)."""
-    n = np.asarray(lengths, np.int64)
-    which = self._piece_index(n)
     total = 0.0
-    for i, piece in enumerate(self.pieces):
-      rows = n[which == i]
-      for call, slope, intercept in piece.calls:
-        if call.kind != "hstu" or call.impl != "xla":
-          continue
-        row_lengths = np.rint(slope * rows + intercept).astype(np.int64)
-        block = call.block or TILED_BLOCK
-        tiles = tiled_attention_tiles(row_lengths, max_seq_len=call.max_seq_len, num_contextual=call.num_contextual,
-                                      block=block)
-        per_pair_head = 2 * (4 * call.dh + 3 * call.dv) + 3 * ATTN_POINTWISE_FLOPS["hstu"]
-        total += float(tiles) * block * block * call.heads * per_pair_head
+    for call, row_lengths in self._hstu_calls(lengths, "xla"):
+      block = call.block or TILED_BLOCK
+      tiles = tiled_attention_tiles(row_lengths, max_seq_len=call.max_seq_len, num_contextual=call.num_contextual,
+                                    block=block)
+      per_pair_head = 2 * (4 * call.dh + 3 * call.dv) + 3 * ATTN_POINTWISE_FLOPS["hstu"]
+      total += float(tiles) * block * block * call.heads * per_pair_head
     return total
+
+  def native_train(self, lengths) -> float:
+    """FLOPs a train step spends inside the C++ HSTU kernel ("cpp" impl) for rows of these lengths (padding rows
+    included). Per (pair, head) the forward does q.k (2 Dh) and w.v (2 Dv); the backward recomputes q.k and does
+    dw, dv, dk, dq (2 (3 Dh + 2 Dv)); pointwise work ATTN_POINTWISE_FLOPS in the forward, twice it backward."""
+    total = 0.0
+    pointwise = ATTN_POINTWISE_FLOPS["hstu"]
+    for call, row_lengths in self._hstu_calls(lengths, "cpp"):
+      fwd, bwd = hstu_cpu.executed_pairs(row_lengths, call.max_seq_len, contextual_seq_len=call.num_contextual)
+      total += call.heads * (fwd * (2 * (call.dh + call.dv) + pointwise) +
+                             bwd * (2 * (3 * call.dh + 2 * call.dv) + 2 * pointwise))
+    return float(total)
 
 
 def param_counts(run) -> dict:

@@ -56,6 +56,7 @@ def peak_flops(mesh_spec, num_devices: int) -> tuple[float, str, float, list[str
 class _Step:
   model_flops: float
   tiled_flops: float
+  native_flops: float   # inside the C++ attention kernel's custom calls
   examples: int
   host_s: float
   imbalance: dict | None
@@ -77,7 +78,8 @@ class RunMeter:
   """Per-step records of one training run (module docstring).
 
   run: the Run (gem_jax/run/build.py); flop_model: what the FLOPs of a batch are counted with
-  (gem_jax/observe/flops.py: train(lengths) of the real rows, tiled_train(lengths) of every row)."""
+  (gem_jax/observe/flops.py: train(lengths) of the real rows, tiled_train and native_train(lengths) of every
+  row)."""
 
   def __init__(self, run, *, out_dir: str, start_step: int, end_step: int, flop_model,
                profile_enabled: bool = True, imbalance_every: int = 1, busy_every: tuple[int, ...] = ()):
@@ -90,7 +92,7 @@ class RunMeter:
     self.notes: list[str] = []
     self.peak, self.peak_source, self.host_peak, notes = peak_flops(self.mesh_spec, self.num_devices)
     self.notes += notes
-    self.tiled = flop_model.tiled
+    self.tiled, self.native = flop_model.tiled, flop_model.native
     self.imbalance_shards = self.data_shards if self.data_shards > 1 else HYPOTHETICAL_SHARDS
     # Readers each balance their own rows over their own shards (report.rank_imbalance); one data shard's
     # hypothetical shards are filled as one reader would.
@@ -123,11 +125,12 @@ class RunMeter:
     every_row = self.run.lengths(batch, real=False)
     model = self.flop_model.train(real)
     tiled = self.flop_model.tiled_train(every_row) if self.tiled else 0.0
+    native = self.flop_model.native_train(every_row) if self.native else 0.0
     imb = None
     if (step + 1) % self.imbalance_every == 0 and every_row.size % self.imbalance_shards == 0:
       imb = report.rank_imbalance(every_row, self.imbalance_shards, seed=step, readers=self.readers)
     host_s = time.perf_counter() - self._t_batch if self._t_batch is not None else 0.0
-    self.steps[step] = _Step(model, tiled, int(real.size), host_s, imb)
+    self.steps[step] = _Step(model, tiled, native, int(real.size), host_s, imb)
     self._t_batch = None
 
   def mark_busy(self, step: int) -> None:
@@ -220,6 +223,9 @@ class RunMeter:
       if self.tiled and loops:
         executed += statistics.fmean(r.tiled_flops for r in measured)
         source = "XLA cost analysis + tiled attention loops (host count of the tiles walked)"
+      if self.native:
+        executed += statistics.fmean(r.native_flops for r in measured)
+        source += " + C++ attention kernel (host count of the pairs its blocks compute)"
     elif compiled is not None:
       notes.append("executed FLOPs: the backend has no cost analysis")
     if not self.tiled and jax.default_backend() == "gpu":
