@@ -189,7 +189,8 @@ def _sasrec_tower(cfg: Config, dataset: str, tower: str) -> Config:
   ml = dataset.startswith("ml-")
   model = dataclasses.replace(cfg.model, arch="sasrec", dim=64, num_layers=2 if ml else 1, num_heads=1,
                               dropout_rate=0.1 if ml else 0.2, normalize=False, embed_scale=False,
-                              positions="from_end", table_dropout=True, ffn_multiplier=1, attn_block=32 if ml else 0)
+                              positions="from_end", table_dropout=True, ffn_multiplier=1, attn_block=32 if ml else 0,
+                              hstu_ffn=False)
   negatives = 256 if tower == "sasrec-ss" else 1
   task = dataclasses.replace(cfg.task, loss="sampled_softmax" if tower == "sasrec-ss" else "bce",
                              negatives="per_token", num_negatives=negatives, temperature=1.0)
@@ -253,7 +254,10 @@ def seqrec(dataset: str, quick: bool = False, tower: str = "hstu") -> Config:
     # Parameter averaging (ema_decay 0.998; over ML-1M's 4,800 steps the warm-up rate, spanning about the last
     # t / 9 steps, stays below the decay until step 4,491): validation HR@10 / NDCG@10 .3344 / .1854 over
     # 3 seeds against .3328 / .1846 without it (the rule fixed before a test split was read).
-    model = SeqRecModelConfig(dim=128, num_layers=4, num_heads=2, head_dim=64, value_dim=64)
+    # eSASRec's gated feed-forward after each layer (multiplier 2): validation HR@10 / NDCG@10 .3402 / .1885 over 3 seeds
+    # against .3344 / .1854 for the layers alone (the bar fixed before its seeds ran; README), at 1.6x the step.
+    model = SeqRecModelConfig(dim=128, num_layers=4, num_heads=2, head_dim=64, value_dim=64, hstu_ffn=True,
+                              ffn_multiplier=2)
     return Config(f"seqrec_{dataset}", model, SeqRecDataConfig(dataset, train_window="random"),
                   dataclasses.replace(train, ema_decay=0.998), NextItemConfig(loss="full_softmax", temperature=0.1))
   return Config(f"seqrec_{dataset}", SeqRecModelConfig(), SeqRecDataConfig(dataset), train, NextItemConfig())
